@@ -1,0 +1,1 @@
+"""pagoda: the public face of the engine (CLI, offline LLM, client library)."""

@@ -1,0 +1,1 @@
+"""Server processes of the pipeline: tokenizer frontends, the scheduler, workers."""

@@ -1,0 +1,1 @@
+"""The scheduler process: request table, block manager, continuous-batching policy."""

@@ -1,0 +1,1 @@
+"""The ZMQ frontends: HTTP/native APIs, tokenization, detokenization (see issue: pipeline)."""

@@ -1,0 +1,1 @@
+"""The worker process: model weights, KV cache, attention backends, sampler, model runner."""

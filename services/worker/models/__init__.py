@@ -1,0 +1,1 @@
+"""Model implementations over the flattened varlen batch."""

@@ -1,0 +1,1 @@
+"""Code shared by every process: wire protocol, sampling parameters, configs."""

@@ -1,0 +1,98 @@
+"""Messages between the scheduler and the workers (one step of the continuous batch).
+
+``StepBatch`` is a delta, as in vLLM v1: a request's tokens, sampling params and
+block table travel once, when it is first scheduled or resumed after preemption
+(``new_requests``); later steps carry only its newly appended blocks
+(``running_requests``). ``finished_request_ids`` tells workers to drop the state of
+requests that finished, were aborted or were preempted (a preempted request comes
+back later as a new request with all its tokens).
+
+The order of ``scheduled_request_ids`` is the order of the flattened token batch;
+``StepResult`` lists, in that order, the requests that sampled a token this step
+(a request in the middle of a chunked prefill samples nothing).
+
+The ZMQ codec for these types lives in ``shared/codec.py`` (pipeline issue).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shared.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequest:
+    """A request the workers have no state for: sent in full, once."""
+
+    request_id: str
+    # prompt tokens followed by any output tokens generated before a preemption
+    token_ids: list[int]
+    # token_ids[:num_prompt_tokens] is the prompt (penalties tell prompt from output)
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    # physical KV block ids, in logical order; covers at least the tokens of this step
+    block_ids: list[int]
+    # tokens whose K/V are already in the cache (prefix-cache hit); computing starts here
+    num_computed_tokens: int
+
+    def __repr__(self) -> str:  # token ids are long and may be private
+        return (
+            f"NewRequest(id={self.request_id!r}, tokens={len(self.token_ids)}, "
+            f"prompt={self.num_prompt_tokens}, blocks={len(self.block_ids)}, "
+            f"computed={self.num_computed_tokens})"
+        )
+
+
+@dataclass
+class RunningRequest:
+    """A request the workers already hold: only what changed since last step."""
+
+    request_id: str
+    # blocks appended to the end of its block table since its last step
+    new_block_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class StepBatch:
+    step_id: int
+    new_requests: list[NewRequest] = field(default_factory=list)
+    running_requests: list[RunningRequest] = field(default_factory=list)
+    # request_id of every request computed this step, in batch order
+    scheduled_request_ids: list[str] = field(default_factory=list)
+    # scheduled_request_ids[i] -> number of tokens it computes this step (>= 1)
+    num_scheduled_tokens: list[int] = field(default_factory=list)
+    # requests whose worker state is dropped before this step runs
+    finished_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    def __repr__(self) -> str:
+        return (
+            f"StepBatch(step={self.step_id}, new={len(self.new_requests)}, "
+            f"running={len(self.running_requests)}, tokens={self.total_num_scheduled_tokens}, "
+            f"finished={len(self.finished_request_ids)})"
+        )
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprobs of one sampled token, from the raw model distribution."""
+
+    logprob: float  # of the sampled token
+    rank: int  # 1 = the most likely token
+    top_token_ids: list[int]  # the top-n alternatives, most likely first
+    top_logprobs: list[float]
+
+
+@dataclass
+class StepResult:
+    step_id: int
+    # requests that sampled a token this step, in batch order
+    request_ids: list[str] = field(default_factory=list)
+    # request_ids[i] -> the token it sampled
+    sampled_token_ids: list[int] = field(default_factory=list)
+    # request_ids[i] -> logprobs, or None where the request did not ask for them
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)

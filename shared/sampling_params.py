@@ -1,0 +1,167 @@
+"""Sampling parameters of one request, declared once for every process.
+
+The frontend validates them (clear errors before anything reaches the scheduler),
+the scheduler re-validates them, and the worker's sampler reads them. Definitions
+follow OpenAI / vLLM so that users of those engines get what they expect:
+
+- ``temperature == 0`` means greedy (argmax of the penalised logits).
+- ``top_k <= 0`` (vLLM's ``-1``) disables top-k; ``top_p == 1`` and ``min_p == 0`` disable those.
+- ``repetition_penalty`` (HF / CTRL definition) divides positive and multiplies
+  negative logits of every token seen in the prompt or the output; 1 disables it.
+- ``presence_penalty`` subtracts a constant from the logits of tokens present in the
+  output so far; ``frequency_penalty`` subtracts it times the token's output count.
+- ``logprobs = k`` returns the sampled token's logprob and the top-k alternatives
+  (from the raw model distribution, before penalties and temperature).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+MAX_N = 128
+MAX_LOGPROBS = 20
+MAX_STOP_SEQUENCES = 16
+MAX_STOP_STRING_CHARS = 1024
+
+
+class SamplingParamsError(ValueError):
+    """A sampling parameter is out of range; the message names it."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
+def _finite(name: str, value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise SamplingParamsError(name, f"must be a number, got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise SamplingParamsError(name, f"must be finite, got {value}")
+    return float(value)
+
+
+def _integer(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SamplingParamsError(name, f"must be an integer, got {value!r}")
+    return value
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids)
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise SamplingParamsError for the first value out of range."""
+        n = _integer("n", self.n)
+        if not 1 <= n <= MAX_N:
+            raise SamplingParamsError("n", f"must be in [1, {MAX_N}], got {n}")
+        t = _finite("temperature", self.temperature)
+        if t < 0:
+            raise SamplingParamsError("temperature", f"must be >= 0, got {t}")
+        p = _finite("top_p", self.top_p)
+        if not 0 < p <= 1:
+            raise SamplingParamsError("top_p", f"must be in (0, 1], got {p}")
+        _integer("top_k", self.top_k)
+        if self.top_k < -1:
+            raise SamplingParamsError("top_k", f"must be -1, 0 (disabled) or positive, got {self.top_k}")
+        mp = _finite("min_p", self.min_p)
+        if not 0 <= mp <= 1:
+            raise SamplingParamsError("min_p", f"must be in [0, 1], got {mp}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = _finite(name, getattr(self, name))
+            if not -2 <= v <= 2:
+                raise SamplingParamsError(name, f"must be in [-2, 2], got {v}")
+        rp = _finite("repetition_penalty", self.repetition_penalty)
+        if not 0 < rp <= 10:
+            raise SamplingParamsError("repetition_penalty", f"must be in (0, 10], got {rp}")
+        if self.seed is not None:
+            _integer("seed", self.seed)
+            if not -(2**63) <= self.seed < 2**63:
+                raise SamplingParamsError("seed", "must fit in a signed 64-bit integer")
+        self._validate_stops()
+        if self.max_tokens is not None:
+            _integer("max_tokens", self.max_tokens)
+            if self.max_tokens < 1:
+                raise SamplingParamsError("max_tokens", f"must be >= 1, got {self.max_tokens}")
+        _integer("min_tokens", self.min_tokens)
+        if self.min_tokens < 0:
+            raise SamplingParamsError("min_tokens", f"must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise SamplingParamsError(
+                "min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            )
+        if self.logprobs is not None:
+            _integer("logprobs", self.logprobs)
+            if not 0 <= self.logprobs <= MAX_LOGPROBS:
+                raise SamplingParamsError(
+                    "logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"
+                )
+
+    def _validate_stops(self) -> None:
+        if len(self.stop) > MAX_STOP_SEQUENCES:
+            raise SamplingParamsError("stop", f"at most {MAX_STOP_SEQUENCES} stop strings")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise SamplingParamsError("stop", "stop strings must be non-empty strings")
+            if len(s) > MAX_STOP_STRING_CHARS:
+                raise SamplingParamsError("stop", f"a stop string is over {MAX_STOP_STRING_CHARS} chars")
+        if len(self.stop_token_ids) > 1024:
+            raise SamplingParamsError("stop_token_ids", "at most 1024 stop token ids")
+        for tid in self.stop_token_ids:
+            _integer("stop_token_ids", tid)
+            if tid < 0:
+                raise SamplingParamsError("stop_token_ids", f"must be >= 0, got {tid}")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise SamplingParamsError("include_stop_str_in_output", "must be a boolean")
+        if not isinstance(self.ignore_eos, bool):
+            raise SamplingParamsError("ignore_eos", "must be a boolean")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    @property
+    def top_k_enabled(self) -> bool:
+        return self.top_k > 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
+        unknown = set(data) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise SamplingParamsError(sorted(unknown)[0], "unknown sampling parameter")
+        return cls(**data)
