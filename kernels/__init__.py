@@ -1,0 +1,1 @@
+"""Paged-attention kernels: Triton on CUDA, torch references (reference.py) everywhere."""

@@ -1,0 +1,134 @@
+"""Torch implementations of every paged-KV kernel: the CPU attention path and the oracle.
+
+The worker's torch attention backend runs these on the CPU; the Triton kernels in this
+package are tested against them. Cache layout everywhere (per layer):
+
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+
+A token at logical position ``p`` of a sequence lives in physical block
+``block_table[p // block_size]`` at offset ``p % block_size``; its flat slot is
+``block_id * block_size + offset``. Slot -1 marks a padded token that is not written.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# Rows of the batched decode are processed in groups so that the gathered K/V stays
+# near this many elements (fp32: 4 bytes each) instead of growing with batch x context.
+_DECODE_GATHER_ELEMS = 16 * 1024 * 1024
+
+
+def write_kv_cache(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
+) -> None:
+    """Store each token's K/V in its slot (reshape_and_cache)."""
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    flat_k = k_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
+    flat_v = v_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):
+        slot_mapping, key, value = slot_mapping[valid], key[valid], value[valid]
+    flat_k.index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    flat_v.index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+
+def gather_kv(
+    cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_table: torch.Tensor,  # [num_blocks_of_seq] int
+    seq_len: int,
+) -> torch.Tensor:  # [seq_len, num_kv_heads, head_dim]
+    block_size = cache.shape[1]
+    num_blocks = (seq_len + block_size - 1) // block_size
+    blocks = cache.index_select(0, block_table[:num_blocks].long())
+    return blocks.flatten(0, 1)[:seq_len]
+
+
+def paged_decode_attention(
+    query: torch.Tensor,  # [batch, num_heads, head_dim]: one new token per sequence
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [batch, max_blocks_per_seq] int
+    seq_lens: torch.Tensor,  # [batch] int: tokens in the cache, the new one included
+    max_seq_len: int,
+    scale: float,
+) -> torch.Tensor:  # [batch, num_heads, head_dim]
+    """Batched decode over padded gathered K/V; no Python loop over sequences.
+
+    The query heads that share a KV head are laid out as that head's query rows
+    ([batch, kv_heads, group, head_dim]), so K/V are gathered once per KV head
+    and no causal mask is needed: a decode token sees its whole context.
+    """
+    batch, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    max_blocks = (max_seq_len + block_size - 1) // block_size
+    padded_len = max_blocks * block_size
+    rows_per_chunk = max(1, _DECODE_GATHER_ELEMS // (padded_len * num_kv_heads * head_dim))
+    out = torch.empty_like(query)
+    positions = torch.arange(padded_len, device=query.device)
+    for start in range(0, batch, rows_per_chunk):
+        end = min(batch, start + rows_per_chunk)
+        table = block_tables[start:end, :max_blocks].long()  # [b, max_blocks]
+        # [b, max_blocks, block_size, kv_heads, D] -> [b, kv_heads, padded_len, D]
+        k = k_cache[table].flatten(1, 2).transpose(1, 2)
+        v = v_cache[table].flatten(1, 2).transpose(1, 2)
+        q = query[start:end].view(end - start, num_kv_heads, group, head_dim)
+        mask = positions[None, :] < seq_lens[start:end, None]  # [b, padded_len]
+        o = F.scaled_dot_product_attention(
+            q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask[:, None, None, :], scale=scale
+        )
+        out[start:end] = o.reshape(end - start, num_heads, head_dim)
+    return out
+
+
+def prefill_attention(
+    query: torch.Tensor,  # [query_len, num_heads, head_dim]
+    key: torch.Tensor,  # [seq_len, num_kv_heads, head_dim]: context then new tokens
+    value: torch.Tensor,  # [seq_len, num_kv_heads, head_dim]
+    scale: float,
+) -> torch.Tensor:  # [query_len, num_heads, head_dim]
+    """Causal attention of the last query_len tokens of a sequence over all of it."""
+    query_len, seq_len = query.shape[0], key.shape[0]
+    context_len = seq_len - query_len
+    q = query.transpose(0, 1).unsqueeze(0)  # [1, heads, query_len, D]
+    k = key.to(query.dtype).transpose(0, 1).unsqueeze(0)
+    v = value.to(query.dtype).transpose(0, 1).unsqueeze(0)
+    if context_len == 0:
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        # query i sits at position context_len + i and sees keys 0..context_len + i
+        rows = torch.arange(query_len, device=query.device)[:, None] + context_len
+        mask = torch.arange(seq_len, device=query.device)[None, :] <= rows
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return o.squeeze(0).transpose(0, 1)
+
+
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]: all new tokens, flattened
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,  # [batch + 1] int: sequence i owns query[qsl[i]:qsl[i+1]]
+    seq_lens: torch.Tensor,  # [batch] int: context + new tokens
+    block_tables: torch.Tensor,  # [batch, max_blocks_per_seq] int
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """The plain oracle: each sequence's K/V gathered through its block table.
+
+    Serves decode, prefill and prefill over cached context (chunked prefill,
+    prefix-cache hits) alike; the new tokens' K/V must already be in the cache.
+    """
+    out = torch.empty_like(query)
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    for i, seq_len in enumerate(lens):
+        q = query[starts[i] : starts[i + 1]]
+        k = gather_kv(k_cache, block_tables[i], seq_len)
+        v = gather_kv(v_cache, block_tables[i], seq_len)
+        out[starts[i] : starts[i + 1]] = prefill_attention(q, k, v, scale)
+    return out

@@ -1,0 +1,55 @@
+"""The attention-backend interface the model layers call, and the per-step metadata.
+
+The model runner builds one ``AttentionMetadata`` per step; every layer's attention
+hands its new q/k/v and its layer's cache to ``AttentionBackend.forward``, which
+writes the new K/V into their slots and attends over context + new tokens.
+
+Batch order: the runner puts the ``num_decodes`` sequences with exactly one new
+token first, then the prefills (whole prompts, chunks, or the rest of a prompt
+after a prefix-cache hit), so a backend can treat each group in one piece.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    num_tokens: int
+    num_decodes: int  # the first num_decodes sequences (and tokens) are decodes
+    query_start_loc: torch.Tensor  # [batch + 1] int32: sequence i owns tokens qsl[i]:qsl[i+1]
+    seq_lens: torch.Tensor  # [batch] int32: tokens in the cache after this step
+    block_tables: torch.Tensor  # [batch, max_blocks_per_seq] int32, padded with 0
+    slot_mapping: torch.Tensor  # [num_tokens] int64: flat cache slot of each new token
+    max_query_len: int
+    max_seq_len: int
+    # host copies, so a backend can split work without a device sync
+    query_start_loc_host: list[int]
+    seq_lens_host: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_host)
+
+
+class AttentionBackend(ABC):
+    """One implementation of paged attention (torch on the CPU, Triton on CUDA)."""
+
+    name: str
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Write the new K/V into the cache, then attend (causal, over the context)."""

@@ -1,0 +1,107 @@
+"""The model's shape and options, read from an HF directory's config.json.
+
+Only what our model code needs, checked at load time so an unsupported model fails
+with a message that names the problem instead of deep inside a forward pass.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+class ModelLoadError(RuntimeError):
+    """The model directory is missing a file or describes a model we do not support."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_proj_bias: bool
+    mlp_bias: bool
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ModelLoadError(f"{path}: missing config.json (is this an HF model directory?)")
+        cfg = json.loads(path.read_text())
+        gen_path = Path(model_dir) / "generation_config.json"
+        gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+        return cls.from_hf_dict(cfg, gen)
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any], gen: dict[str, Any] | None = None) -> ModelConfig:
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ModelLoadError(
+                f"unsupported architecture {archs or cfg.get('model_type')!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise ModelLoadError(f"unsupported hidden_act {act!r} (only silu)")
+        heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        rope_theta, rope_scaling = _rope_params(cfg)
+        attention_bias = bool(cfg.get("attention_bias", False))
+        is_qwen2 = arch == "Qwen2ForCausalLM"
+        return cls(
+            architecture=arch,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_hidden_layers=int(cfg["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=is_qwen2 or attention_bias,
+            o_proj_bias=attention_bias and not is_qwen2,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            eos_token_ids=_eos_ids(cfg, gen or {}),
+            bos_token_id=cfg.get("bos_token_id"),
+        )
+
+
+def _rope_params(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    # transformers 5 writes rope_parameters; older configs write rope_theta + rope_scaling
+    params = cfg.get("rope_parameters") or {}
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    scaling = cfg.get("rope_scaling") or None
+    if scaling is None and params.get("rope_type", "default") != "default":
+        scaling = dict(params)
+    if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "default":
+        scaling = None
+    return theta, scaling
+
+
+def _eos_ids(cfg: dict[str, Any], gen: dict[str, Any]) -> tuple[int, ...]:
+    eos = gen.get("eos_token_id", cfg.get("eos_token_id"))
+    if eos is None:
+        return ()
+    return tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))

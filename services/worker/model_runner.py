@@ -1,0 +1,241 @@
+"""Executes one scheduler step on the worker: StepBatch in, StepResult out.
+
+The runner keeps a per-request state table (tokens, block table, computed count),
+so a step carries only deltas (see ``shared.protocol``). Each step it:
+1. drops finished/preempted requests, adds new ones, extends block tables;
+2. flattens the scheduled tokens into one varlen batch, decodes first;
+3. runs the model, computes logits only for requests that reached the end of their
+   known tokens (a request mid chunked-prefill samples nothing), samples, and
+   appends the sampled tokens to its own state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from services.worker.attention.base import AttentionBackend, AttentionMetadata
+from services.worker.models.llama import KVCache, LlamaForCausalLM
+from services.worker.sampler import Sampler, SamplingRow
+from shared.protocol import NewRequest, StepBatch, StepResult
+from shared.sampling_params import SamplingParams
+
+
+class StepError(RuntimeError):
+    """The step message is inconsistent with the runner's state (a scheduler bug)."""
+
+
+@dataclass
+class CachedRequestState:
+    request_id: str
+    token_ids: list[int]  # prompt, then every output token sampled so far
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    rows: SamplingRow = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.rows = SamplingRow(
+            self.sampling_params, _TokenSlice(self.token_ids, 0, self.num_prompt_tokens),
+            _TokenSlice(self.token_ids, self.num_prompt_tokens, None),
+        )
+
+
+class _TokenSlice:
+    """A live read-only view of part of a token list (no per-step copies)."""
+
+    __slots__ = ("_tokens", "_start", "_end")
+
+    def __init__(self, tokens: list[int], start: int, end: int | None) -> None:
+        self._tokens, self._start, self._end = tokens, start, end
+
+    def _stop(self) -> int:
+        return len(self._tokens) if self._end is None else self._end
+
+    def __len__(self) -> int:
+        return self._stop() - self._start
+
+    def __getitem__(self, index):  # type: ignore[no-untyped-def]
+        if isinstance(index, slice):
+            return self._tokens[self._start : self._stop()][index]
+        n = len(self)
+        if not -n <= index < n:
+            raise IndexError(index)
+        return self._tokens[self._start + (index % n)]
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(self._tokens[self._start : self._stop()])
+
+
+def kv_cache_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
+    cfg = model.config
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+
+
+def allocate_kv_caches(
+    model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype,
+    device: torch.device | str,
+) -> list[KVCache]:
+    cfg = model.config
+    shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+    return [
+        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for _ in range(cfg.num_hidden_layers)
+    ]
+
+
+@dataclass
+class _FlatBatch:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    order: list[CachedRequestState]  # batch order: decodes, then prefills
+    sample_rows: list[int]  # indexes into order of the requests that sample
+    logit_indices: torch.Tensor  # [num_sample] flat index of each sampler's last token
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        backend: AttentionBackend,
+        num_blocks: int,
+        block_size: int,
+        kv_dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.model = model
+        self.backend = backend
+        self.device = torch.device(device)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.kv_caches = allocate_kv_caches(model, num_blocks, block_size, kv_dtype, self.device)
+        self.sampler = Sampler(model.config.vocab_size, model.config.eos_token_ids, self.device)
+        self.requests: dict[str, CachedRequestState] = {}
+
+    # -- state table ---------------------------------------------------------------
+    def _apply_deltas(self, batch: StepBatch) -> None:
+        for rid in batch.finished_request_ids:
+            self.requests.pop(rid, None)
+        for new in batch.new_requests:
+            self.requests[new.request_id] = self._new_state(new)
+        for running in batch.running_requests:
+            state = self.requests.get(running.request_id)
+            if state is None:
+                raise StepError(f"running request {running.request_id!r} has no worker state")
+            state.block_ids.extend(running.new_block_ids)
+
+    @staticmethod
+    def _new_state(new: NewRequest) -> CachedRequestState:
+        return CachedRequestState(
+            request_id=new.request_id,
+            token_ids=list(new.token_ids),
+            num_prompt_tokens=new.num_prompt_tokens,
+            sampling_params=new.sampling_params,
+            block_ids=list(new.block_ids),
+            num_computed_tokens=new.num_computed_tokens,
+        )
+
+    # -- one step --------------------------------------------------------------------
+    def execute(self, batch: StepBatch) -> StepResult:
+        return self.execute_with_logits(batch)[0]
+
+    @torch.inference_mode()
+    def execute_with_logits(self, batch: StepBatch) -> tuple[StepResult, dict[str, torch.Tensor]]:
+        """Runs the step; also returns request_id -> raw logits [vocab] of each sampler."""
+        self._apply_deltas(batch)
+        if not batch.scheduled_request_ids:
+            return StepResult(step_id=batch.step_id), {}
+        flat = self._flatten(batch)
+        hidden = self.model(flat.input_ids, flat.positions, self.kv_caches, flat.meta, self.backend)
+        for state, n in zip(flat.order, np.diff(flat.meta.query_start_loc_host).tolist()):
+            state.num_computed_tokens += n
+        if not flat.sample_rows:
+            return StepResult(step_id=batch.step_id), {}
+        logits = self.model.compute_logits(hidden.index_select(0, flat.logit_indices))
+        samplers = [flat.order[i] for i in flat.sample_rows]
+        out = self.sampler(logits, [s.rows for s in samplers])
+        sampled = out.sampled_token_ids.tolist()
+        for state, token in zip(samplers, sampled):
+            state.token_ids.append(token)
+        # StepResult lists samplers in the scheduler's batch order
+        position = {rid: i for i, rid in enumerate(batch.scheduled_request_ids)}
+        ranked = sorted(range(len(samplers)), key=lambda j: position[samplers[j].request_id])
+        result = StepResult(
+            step_id=batch.step_id,
+            request_ids=[samplers[j].request_id for j in ranked],
+            sampled_token_ids=[sampled[j] for j in ranked],
+            logprobs=[out.logprobs[j] for j in ranked],
+        )
+        return result, {s.request_id: logits[j] for j, s in enumerate(samplers)}
+
+    def _flatten(self, batch: StepBatch) -> _FlatBatch:
+        decodes: list[CachedRequestState] = []
+        prefills: list[tuple[CachedRequestState, int]] = []
+        for rid, n in zip(batch.scheduled_request_ids, batch.num_scheduled_tokens, strict=True):
+            state = self.requests.get(rid)
+            if state is None:
+                raise StepError(f"scheduled request {rid!r} has no worker state")
+            end = state.num_computed_tokens + n
+            if n < 1 or end > len(state.token_ids):
+                raise StepError(
+                    f"request {rid!r}: {n} tokens scheduled from {state.num_computed_tokens}, "
+                    f"but it has {len(state.token_ids)} tokens"
+                )
+            if -(-end // self.block_size) > len(state.block_ids):
+                raise StepError(f"request {rid!r}: {end} tokens but {len(state.block_ids)} blocks")
+            if n == 1:
+                decodes.append(state)
+            else:
+                prefills.append((state, n))
+        order = decodes + [s for s, _ in prefills]
+        counts = [1] * len(decodes) + [n for _, n in prefills]
+        return self._build_tensors(order, counts, len(decodes))
+
+    def _build_tensors(
+        self, order: list[CachedRequestState], counts: list[int], num_decodes: int
+    ) -> _FlatBatch:
+        bs = self.block_size
+        starts = np.array([s.num_computed_tokens for s in order], dtype=np.int64)
+        counts_np = np.array(counts, dtype=np.int64)
+        ends = starts + counts_np
+        qsl = np.zeros(len(order) + 1, dtype=np.int64)
+        np.cumsum(counts_np, out=qsl[1:])
+        total = int(qsl[-1])
+        # position of every new token: its sequence's start + its offset in the chunk
+        seq_of_token = np.repeat(np.arange(len(order)), counts_np)
+        positions = starts[seq_of_token] + (np.arange(total) - qsl[:-1][seq_of_token])
+        max_blocks = int(-(-ends.max() // bs))
+        block_tables = np.zeros((len(order), max_blocks), dtype=np.int64)
+        input_ids = np.empty(total, dtype=np.int64)
+        for i, state in enumerate(order):
+            nb = min(len(state.block_ids), max_blocks)
+            block_tables[i, :nb] = state.block_ids[:nb]
+            input_ids[qsl[i] : qsl[i + 1]] = state.token_ids[starts[i] : ends[i]]
+        slot_mapping = block_tables[seq_of_token, positions // bs] * bs + positions % bs
+        sample_rows = [i for i, s in enumerate(order) if ends[i] == len(s.token_ids)]
+        dev = self.device
+        meta = AttentionMetadata(
+            num_tokens=total,
+            num_decodes=num_decodes,
+            query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
+            seq_lens=torch.from_numpy(ends.astype(np.int32)).to(dev),
+            block_tables=torch.from_numpy(block_tables.astype(np.int32)).to(dev),
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+            max_query_len=int(counts_np.max()),
+            max_seq_len=int(ends.max()),
+            query_start_loc_host=qsl.tolist(),
+            seq_lens_host=ends.tolist(),
+        )
+        return _FlatBatch(
+            input_ids=torch.from_numpy(input_ids).to(dev),
+            positions=torch.from_numpy(positions).to(dev),
+            meta=meta,
+            order=order,
+            sample_rows=sample_rows,
+            logit_indices=torch.from_numpy(qsl[1:][sample_rows] - 1).to(dev),
+        )

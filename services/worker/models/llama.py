@@ -1,0 +1,137 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2, SmolLM) over a flattened varlen batch.
+
+All new tokens of a step are concatenated into one ``[num_tokens]`` batch with their
+``positions``; per-sequence structure lives in the ``AttentionMetadata``. The q/k/v
+and gate/up projections are fused into one matmul each (weights concatenated at load
+time by the loader). Logits are computed only for the rows the caller asks for.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.worker.attention.base import AttentionBackend, AttentionMetadata
+from services.worker.layers.norm import RMSNorm
+from services.worker.layers.rotary import RotaryEmbedding
+from services.worker.model_config import ModelConfig
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # per layer: k, v [blocks, block_size, kv_heads, D]
+
+
+def _weight(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.rotary = rotary
+        self.qkv_weight = _weight(self.q_size + 2 * self.kv_size, config.hidden_size)
+        self.qkv_bias = _weight(self.q_size + 2 * self.kv_size) if config.qkv_bias else None
+        self.o_weight = _weight(config.hidden_size, self.q_size)
+        self.o_bias = _weight(config.hidden_size) if config.o_proj_bias else None
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [T]
+        hidden: torch.Tensor,  # [T, hidden]
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:  # [T, hidden]
+        qkv = F.linear(hidden, self.qkv_weight, self.qkv_bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        t = hidden.shape[0]
+        q, k = self.rotary(
+            positions,
+            q.reshape(t, self.num_heads, self.head_dim),
+            k.reshape(t, self.num_kv_heads, self.head_dim),
+        )
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return F.linear(out.reshape(t, self.q_size), self.o_weight, self.o_bias)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_weight = _weight(2 * config.intermediate_size, config.hidden_size)
+        self.gate_up_bias = _weight(2 * config.intermediate_size) if config.mlp_bias else None
+        self.down_weight = _weight(config.hidden_size, config.intermediate_size)
+        self.down_bias = _weight(config.hidden_size) if config.mlp_bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_weight, self.down_bias)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, rotary)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, meta, backend)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, max_position: int | None = None) -> None:
+        super().__init__()
+        self.config = config
+        rotary = RotaryEmbedding(
+            config.head_dim,
+            max_position or config.max_position_embeddings,
+            config.rope_theta,
+            config.rope_scaling,
+        )
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, rotary) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # tied embeddings share the embedding tensor (set by the loader)
+        self.lm_head_weight = _weight(config.vocab_size, config.hidden_size)
+        self.rotary = rotary
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:  # [T, hidden] final hidden states
+        hidden = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(positions, hidden, residual, kv_cache, meta, backend)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
+        return F.linear(hidden, self.lm_head_weight).float()

@@ -1,0 +1,1 @@
+"""Test support: tiny checkpoints and drivers shared by the test suites."""
