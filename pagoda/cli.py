@@ -1,4 +1,4 @@
-"""The `pagoda` command line: one subcommand per job (fetch, generate, ...)."""
+"""The `pagoda` command line: one subcommand per job (fetch, generate, chat)."""
 
 from __future__ import annotations
 
@@ -6,11 +6,74 @@ import argparse
 import sys
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pagoda")
-    parser.add_subparsers(dest="command", required=True)
-    args = parser.parse_args(argv)
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2", help="smollm2 or a local HF directory")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--kv-cache-bytes", type=int, default=None)
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagoda", description="LLM inference-serving engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    fetch = sub.add_parser("fetch", help="fetch a model alias into the cache, print its directory")
+    fetch.add_argument("name", nargs="?", default="smollm2")
+    fetch.add_argument("--cache-dir", default=None)
+    gen = sub.add_parser("generate", help="generate completions for prompts, offline")
+    gen.add_argument("prompts", nargs="+")
+    _add_engine_args(gen)
+    chat = sub.add_parser("chat", help="one chat turn through the model's chat template")
+    chat.add_argument("message")
+    chat.add_argument("--system", default=None)
+    _add_engine_args(chat)
+    return parser
+
+
+def _engine_and_params(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from pagoda.llm import LLM, SamplingParams
+
+    llm = LLM(args.model, max_model_len=args.max_model_len, kv_cache_bytes=args.kv_cache_bytes)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, seed=args.seed,
+    )
+    return llm, params
+
+
+def _generate(args: argparse.Namespace) -> int:
+    llm, params = _engine_and_params(args)
+    for out in llm.generate(args.prompts, params, use_tqdm=False):
+        print(f"{out.prompt}{out.outputs[0].text}")
+        print(f"[{len(out.outputs[0].token_ids)} tokens, finish_reason={out.outputs[0].finish_reason}]")
     return 0
+
+
+def _chat(args: argparse.Namespace) -> int:
+    llm, params = _engine_and_params(args)
+    messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+        {"role": "user", "content": args.message}
+    ]
+    print(llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    if args.command == "fetch":
+        from pagoda.model_fetch import fetch_main
+
+        return fetch_main([args.name] + (["--cache-dir", args.cache_dir] if args.cache_dir else []))
+    from shared.sampling_params import SamplingParamsError
+
+    try:
+        return {"generate": _generate, "chat": _chat}[args.command](args)
+    except (SamplingParamsError, ValueError) as exc:
+        print(f"pagoda {args.command}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
