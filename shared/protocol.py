@@ -1,4 +1,13 @@
-"""Messages between the scheduler and the workers (one step of the continuous batch).
+"""Every message that crosses a process boundary, declared once.
+
+Links (who sends what to whom):
+- frontend -> scheduler: ``AddRequest``, ``AbortRequest``;
+- scheduler -> frontend: ``RequestOutputs`` (one batch per step per frontend),
+  ``RequestError`` (a typed rejection of one request);
+- scheduler -> workers: ``StepBatch``; worker rank 0 -> scheduler: ``StepResult``;
+- worker -> scheduler at start-up: ``WorkerReady`` (the KV capacity handshake).
+
+The worker link, one step of the continuous batch:
 
 ``StepBatch`` is a delta, as in vLLM v1: a request's tokens, sampling params and
 block table travel once, when it is first scheduled or resumed after preemption
@@ -11,7 +20,7 @@ The order of ``scheduled_request_ids`` is the order of the flattened token batch
 ``StepResult`` lists, in that order, the requests that sampled a token this step
 (a request in the middle of a chunked prefill samples nothing).
 
-The ZMQ codec for these types lives in ``shared/codec.py`` (pipeline issue).
+The ZMQ codec for these types lives in ``shared/codec.py``.
 """
 
 from __future__ import annotations
@@ -96,3 +105,73 @@ class StepResult:
     sampled_token_ids: list[int] = field(default_factory=list)
     # request_ids[i] -> logprobs, or None where the request did not ask for them
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+
+
+# -- frontend <-> scheduler ---------------------------------------------------------------
+
+
+@dataclass
+class AddRequest:
+    """A tokenized, validated request from a frontend; the scheduler re-validates it."""
+
+    request_id: str  # unique per frontend; the scheduler scopes it by frontend identity
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float  # time.time() at the frontend
+    priority: int = 0  # lower runs first; ties in arrival order
+
+    def __repr__(self) -> str:
+        return f"AddRequest(id={self.request_id!r}, prompt={len(self.prompt_token_ids)} tokens)"
+
+
+@dataclass
+class AbortRequest:
+    request_ids: list[str]
+
+
+@dataclass
+class RequestOutput:
+    """What one sample of a request gained in one step."""
+
+    request_id: str  # the id the frontend gave
+    index: int  # which of the request's n samples
+    new_token_ids: list[int]
+    # new_token_ids[i] -> logprobs, or None where the request did not ask for them
+    new_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop", "length", "abort"; None while running
+    stop_reason: int | None = None  # the stop token id that ended it, if any
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutputs:
+    """One scheduler step's outputs for one frontend."""
+
+    outputs: list[RequestOutput] = field(default_factory=list)
+
+
+@dataclass
+class RequestError:
+    """A request rejected or failed; nothing is held for it any more."""
+
+    request_id: str
+    code: str  # "invalid_request", "too_long", "duplicate_id", "overloaded", "engine_error"
+    message: str
+
+
+# -- worker -> scheduler handshake ----------------------------------------------------------
+
+
+@dataclass
+class WorkerReady:
+    rank: int
+    num_kv_blocks: int
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
