@@ -1,0 +1,87 @@
+"""The scheduler's view of one sequence: its tokens, progress, status and stop rules.
+
+A request with ``n > 1`` becomes ``n`` sequences (children) sharing the parent's
+``request_id`` with ``index`` 0..n-1; each child is scheduled on its own and is
+known to the workers by ``seq_id``. Child 0 computes the prompt; the others start
+once it has, sharing its full prompt blocks (see ``Scheduler``).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from shared.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # finished states sort after PREEMPTED
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+def seq_id_of(request_id: str, index: int) -> str:
+    return f"{request_id}-{index}"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    index: int
+    # prompt followed by every output token so far (one list: no per-step concatenation)
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    # (priority, arrival number): lower runs first and is preempted last
+    order_key: tuple[int, int]
+    max_tokens: int  # resolved: params.max_tokens, or what max_model_len leaves
+    stop_ids: frozenset[int]  # EOS (unless ignore_eos) and stop_token_ids
+    seq_id: str = ""
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    on_worker: bool = False  # the workers hold its state (sent as a NewRequest)
+    stop_reason: int | None = None
+    num_preemptions: int = 0
+    first_admitted: bool = field(default=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.seq_id = seq_id_of(self.request_id, self.index)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_computed(self) -> bool:
+        return self.num_computed_tokens >= self.num_prompt_tokens
+
+    def check_stop(self, token: int, max_model_len: int) -> RequestStatus | None:
+        """The finished status the just-appended token leads to, or None to go on."""
+        num_out = self.num_output_tokens
+        if token in self.stop_ids and num_out > self.sampling_params.min_tokens:
+            if token in self.sampling_params.stop_token_ids:
+                self.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if num_out >= self.max_tokens or len(self.token_ids) >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

@@ -1,0 +1,391 @@
+"""The scheduler core: continuous batching over the block manager, no sockets.
+
+``schedule()`` builds one step: running sequences first (decodes, then the next
+chunk of prompts being prefilled), then waiting ones in (priority, arrival) order
+while the token budget (``max_num_batched_tokens``), the sequence cap
+(``max_num_seqs``) and free blocks allow. There are no separate prefill and decode
+phases: a long prompt is cut into chunks that share steps with decodes.
+
+When a running sequence cannot get a block, the newest running sequence is
+preempted (recompute: its blocks are freed, it goes back to waiting, and later
+resumes as a new request whose prefix is mostly a prefix-cache hit). ``running``
+is kept sorted oldest first, so the oldest sequence is never the victim; if it is
+alone and still short of blocks, it has reached the pool ceiling and finishes with
+``length``. A request that can never fit the pool is rejected at admission.
+
+``update(batch, result)`` advances the sequences the step computed, appends the
+sampled tokens, applies stop rules (EOS/stop ids, max_tokens, max_model_len), frees
+finished sequences' blocks in the same step, and returns per-sequence outputs.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from services.scheduler.block_manager import BlockManager
+from services.scheduler.request import FINISH_REASONS, Request, RequestStatus
+from shared.protocol import NewRequest, RequestOutput, RunningRequest, StepBatch, StepResult
+from shared.sampling_params import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+class RequestRejected(ValueError):
+    """A request the scheduler will not take; nothing was allocated for it."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    num_blocks: int
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    vocab_size: int = 0  # 0 = do not check token ids
+    enable_prefix_caching: bool = True
+    eos_token_ids: tuple[int, ...] = ()
+    # check block accounting whenever the scheduler goes idle: raise (tests) or count
+    strict_invariants: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass
+class SchedulerStats:
+    running: int  # sequences
+    waiting: int  # sequences, preempted ones included
+    kv_usage: float  # fraction of the block pool held
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # of those, tokens found
+    num_preemptions: int
+    invariant_failures: int
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.requests: dict[str, list[Request]] = {}  # request_id -> its children
+        self.running: list[Request] = []  # sorted by order_key: oldest first
+        self.waiting: list[Request] = []  # sorted by order_key
+        self._arrivals = itertools.count()
+        self._step_ids = itertools.count()
+        # seq ids whose worker state must be dropped in the next step
+        self._dropped_seq_ids: list[str] = []
+        self._prefix_queries = 0
+        self._prefix_hits = 0
+        self._num_preemptions = 0
+        self._invariant_failures = 0
+        # sequences that ended while scheduling (pool ceiling): reported by the next update
+        self._ceiling_outputs: list[RequestOutput] = []
+
+    # -- requests in and out ---------------------------------------------------------
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0
+    ) -> None:
+        """Validate and queue a request; raises RequestRejected with nothing allocated."""
+        self._validate(request_id, prompt_token_ids, params)
+        prompt_len = len(prompt_token_ids)
+        max_tokens = self.config.max_model_len - prompt_len
+        if params.max_tokens is not None:
+            max_tokens = min(max_tokens, params.max_tokens)
+        stop_ids = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else frozenset(self.config.eos_token_ids)
+        )
+        order_key = (priority, next(self._arrivals))
+        children = []
+        for index in range(params.n):
+            child_params = params
+            if params.n > 1:
+                # each child its own stream; seed + index keeps n > 1 reproducible (as vLLM)
+                seed = None if params.seed is None else _wrap_i64(params.seed + index)
+                child_params = dataclasses.replace(params, n=1, seed=seed)
+            children.append(Request(
+                request_id=request_id, index=index, token_ids=list(prompt_token_ids),
+                num_prompt_tokens=prompt_len, sampling_params=child_params, order_key=order_key,
+                max_tokens=max_tokens, stop_ids=stop_ids,
+            ))
+        self.requests[request_id] = children
+        for child in children:
+            bisect.insort(self.waiting, child, key=_order)
+
+    def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        cfg = self.config
+        if request_id in self.requests:
+            raise RequestRejected("duplicate_id", f"request id {request_id!r} is already in use")
+        if not prompt:
+            raise RequestRejected("invalid_request", "the prompt is empty")
+        if len(prompt) >= cfg.max_model_len:
+            raise RequestRejected(
+                "too_long",
+                f"the prompt has {len(prompt)} tokens; with max_model_len {cfg.max_model_len} "
+                f"at most {cfg.max_model_len - 1} leave room for one output token",
+            )
+        needed = self.block_manager.blocks_needed(len(prompt) + 1)
+        if needed > cfg.num_blocks:
+            raise RequestRejected(
+                "too_long",
+                f"the prompt has {len(prompt)} tokens and needs {needed} KV blocks; "
+                f"the pool has {cfg.num_blocks} blocks of {cfg.block_size} tokens",
+            )
+        if cfg.vocab_size and (min(prompt) < 0 or max(prompt) >= cfg.vocab_size):
+            raise RequestRejected(
+                "invalid_request", f"prompt token ids must be in [0, {cfg.vocab_size})"
+            )
+        if cfg.vocab_size and any(not 0 <= t < cfg.vocab_size for t in params.stop_token_ids):
+            raise RequestRejected("invalid_request", f"stop_token_ids must be in [0, {cfg.vocab_size})")
+        if params.n > 1 and params.n > cfg.max_num_seqs:
+            raise RequestRejected("invalid_request", f"n={params.n} exceeds max_num_seqs {cfg.max_num_seqs}")
+
+    def abort_request(self, request_ids: Iterable[str], index: int | None = None) -> list[RequestOutput]:
+        """Abort the live children of these requests (only child ``index`` if given);
+        their blocks are freed exactly once.
+
+        Unknown or already finished ids are ignored (an abort may race a finish).
+        """
+        outputs = []
+        for request_id in request_ids:
+            for req in list(self.requests.get(request_id, ())):
+                if req.status.finished or (index is not None and req.index != index):
+                    continue
+                if req.status == RequestStatus.RUNNING:
+                    self.running.remove(req)
+                else:
+                    self.waiting.remove(req)
+                self._finish(req, RequestStatus.FINISHED_ABORTED)
+                outputs.append(self._output(req, [], []))
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # -- one step --------------------------------------------------------------------
+    def schedule(self) -> StepBatch:
+        batch = StepBatch(step_id=next(self._step_ids))
+        # seq_id -> (request, tokens this step, blocks added this step)
+        scheduled: dict[str, tuple[Request, int, list[int]]] = {}
+        preemptions_before = self._num_preemptions
+        budget = self._schedule_running(scheduled, self.config.max_num_batched_tokens)
+        # after a preemption the pool is short: admitting now would only churn
+        admitted = set() if self._num_preemptions > preemptions_before else self._schedule_waiting(scheduled, budget)
+        batch.finished_request_ids, self._dropped_seq_ids = self._dropped_seq_ids, []
+        for req, n, new_blocks in scheduled.values():
+            if req in admitted:
+                batch.new_requests.append(NewRequest(
+                    request_id=req.seq_id, token_ids=list(req.token_ids),
+                    num_prompt_tokens=req.num_prompt_tokens, sampling_params=req.sampling_params,
+                    block_ids=list(self.block_manager.block_ids(req.seq_id)),
+                    num_computed_tokens=req.num_computed_tokens,
+                ))
+                req.on_worker = True
+            elif new_blocks:
+                # running sequences without new blocks need no delta entry at all
+                batch.running_requests.append(RunningRequest(req.seq_id, new_blocks))
+            batch.scheduled_request_ids.append(req.seq_id)
+            batch.num_scheduled_tokens.append(n)
+        if not self.running and not self.waiting:
+            self.check_invariants_on_idle()
+        return batch
+
+    def _schedule_running(self, scheduled: dict[str, tuple[Request, int, list[int]]], budget: int) -> int:
+        # decodes first so a long prefill never starves them; then prompt chunks
+        for decodes in (True, False):
+            i = 0
+            while i < len(self.running) and budget > 0:
+                req = self.running[i]
+                remaining = req.num_tokens - req.num_computed_tokens
+                if (remaining == 1) != decodes or req.seq_id in scheduled:
+                    i += 1
+                    continue
+                n = min(remaining, budget)
+                new_blocks = self._grow_or_preempt(req, n, scheduled)
+                if req.status != RequestStatus.RUNNING:
+                    continue  # preempted itself or hit the pool ceiling: running shrank at i
+                if new_blocks is None:
+                    i += 1
+                    continue
+                scheduled[req.seq_id] = (req, n, new_blocks)
+                budget -= n
+                i += 1
+        # preemption may have returned tokens of victims scheduled earlier this step
+        return self.config.max_num_batched_tokens - sum(n for _, n, _ in scheduled.values())
+
+    def _grow_or_preempt(
+        self, req: Request, n: int, scheduled: dict[str, tuple[Request, int, list[int]]]
+    ) -> list[int] | None:
+        """Blocks for n more tokens of req, preempting newer sequences while short."""
+        bm = self.block_manager
+        while True:
+            new_blocks = bm.append_slots(req.seq_id, req.num_computed_tokens + n)
+            if new_blocks is not None:
+                return new_blocks
+            victim = self.running[-1]
+            if victim is req:
+                if len(self.running) == 1:
+                    # alone and still short: the pool ceiling; stop it rather than spin
+                    self.running.remove(req)
+                    self._stop_at_ceiling(req)
+                else:
+                    self._preempt(req)
+                return None
+            scheduled.pop(victim.seq_id, None)
+            self._preempt(victim)
+
+    def _stop_at_ceiling(self, req: Request) -> None:
+        self._finish(req, RequestStatus.FINISHED_LENGTH)
+        self._ceiling_outputs.append(self._output(req, [], []))
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.block_manager.free(req.seq_id)
+        if req.on_worker:
+            self._dropped_seq_ids.append(req.seq_id)
+            req.on_worker = False
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self._num_preemptions += 1
+        bisect.insort(self.waiting, req, key=_order)
+
+    def _schedule_waiting(self, scheduled: dict[str, tuple[Request, int, list[int]]], budget: int) -> set[Request]:
+        admitted: set[Request] = set()
+        cap = self.config.max_num_seqs
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < cap:
+            req = self.waiting[i]
+            shared = self._shared_prefix(req)
+            if shared is None:  # a child waiting for its sibling 0 to compute the prompt
+                i += 1
+                continue
+            num_computed = len(shared) * self.config.block_size
+            n = min(req.num_tokens - num_computed, budget)
+            block_ids = self.block_manager.allocate(req.seq_id, shared, num_computed + n)
+            if block_ids is None:
+                if not self.running and not scheduled:
+                    # the whole pool is free and still too small (a resumed child that
+                    # had shared its prompt blocks): it can never run again
+                    del self.waiting[i]
+                    self._stop_at_ceiling(req)
+                    continue
+                break  # arrival order: nobody overtakes a request that does not fit
+            del self.waiting[i]
+            req.num_computed_tokens = num_computed
+            if not req.first_admitted:
+                req.first_admitted = True
+                req.num_cached_tokens = num_computed
+            req.status = RequestStatus.RUNNING
+            bisect.insort(self.running, req, key=_order)
+            scheduled[req.seq_id] = (req, n, [])
+            admitted.add(req)
+            budget -= n
+        return admitted
+
+    def _shared_prefix(self, req: Request) -> list[int] | None:
+        """Blocks req starts with: its sibling 0's prompt blocks, or a prefix-cache hit.
+
+        None while req is a child > 0 whose sibling 0 is still computing the prompt.
+        """
+        bm = self.block_manager
+        if req.index > 0 and req.num_tokens == req.num_prompt_tokens:
+            first = self.requests[req.request_id][0]
+            if not first.status.finished:
+                if first.status != RequestStatus.RUNNING or not first.prompt_computed:
+                    return None
+                # full prompt blocks, leaving at least one token for the child to compute
+                num_full = (req.num_prompt_tokens - 1) // self.config.block_size
+                return bm.block_ids(first.seq_id)[:num_full]
+        hits = bm.find_cached_prefix(req.token_ids)
+        if req.num_preemptions == 0 and req.index == 0:
+            self._prefix_queries += req.num_prompt_tokens
+            self._prefix_hits += len(hits) * self.config.block_size
+        return hits
+
+    # -- results ---------------------------------------------------------------------
+    def update(self, batch: StepBatch, result: StepResult) -> list[RequestOutput]:
+        """Apply one executed step; outputs for every sequence that sampled or ended."""
+        outputs, self._ceiling_outputs = self._ceiling_outputs, []
+        live = {req.seq_id: req for req in self.running}
+        bm = self.block_manager
+        for seq_id, n in zip(batch.scheduled_request_ids, batch.num_scheduled_tokens):
+            req = live.get(seq_id)
+            if req is None:  # aborted while the step ran
+                continue
+            req.num_computed_tokens += n
+            bm.cache_full_blocks(seq_id, req.token_ids, req.num_computed_tokens)
+        max_model_len = self.config.max_model_len
+        for seq_id, token, logprobs in zip(result.request_ids, result.sampled_token_ids, result.logprobs):
+            req = live.get(seq_id)
+            if req is None:
+                continue
+            req.token_ids.append(token)
+            status = req.check_stop(token, max_model_len)
+            if status is not None:
+                self.running.remove(req)
+                self._finish(req, status)
+            outputs.append(self._output(req, [token], [logprobs]))
+        return outputs
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        if self.block_manager.holds(req.seq_id):
+            self.block_manager.free(req.seq_id)
+        if req.on_worker:
+            self._dropped_seq_ids.append(req.seq_id)
+            req.on_worker = False
+        req.status = status
+        children = self.requests.get(req.request_id)
+        if children is not None and all(c.status.finished for c in children):
+            del self.requests[req.request_id]
+
+    def _output(self, req: Request, tokens: list[int], logprobs: list) -> RequestOutput:  # type: ignore[type-arg]
+        return RequestOutput(
+            request_id=req.request_id, index=req.index, new_token_ids=tokens,
+            new_logprobs=logprobs if req.sampling_params.logprobs is not None else [],
+            finish_reason=FINISH_REASONS.get(req.status), stop_reason=req.stop_reason,
+            num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
+        )
+
+    # -- health ----------------------------------------------------------------------
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            running=len(self.running), waiting=len(self.waiting), kv_usage=self.block_manager.usage,
+            prefix_cache_queries=self._prefix_queries, prefix_cache_hits=self._prefix_hits,
+            num_preemptions=self._num_preemptions, invariant_failures=self._invariant_failures,
+        )
+
+    def check_invariants(self) -> None:
+        """Raise if block accounting or the queues are inconsistent."""
+        bm = self.block_manager
+        bm.check_invariants()
+        live = {r.seq_id for r in self.running}
+        if set(bm.seqs) != live:
+            raise AssertionError(f"blocks held by {sorted(set(bm.seqs) ^ live)} disagree with running")
+        if any(r.status != RequestStatus.WAITING and r.status != RequestStatus.PREEMPTED for r in self.waiting):
+            raise AssertionError("a waiting sequence has a running or finished status")
+
+    def check_invariants_on_idle(self) -> None:
+        try:
+            self.check_invariants()
+        except AssertionError:
+            self._invariant_failures += 1
+            if self.config.strict_invariants:
+                raise
+
+
+def _order(req: Request) -> tuple[int, int]:
+    return req.order_key
+
+
+def _wrap_i64(x: int) -> int:
+    x &= _MASK64
+    return x - (1 << 64) if x >= 1 << 63 else x

@@ -1,0 +1,125 @@
+"""The offline engine (scheduler + runner in one process) on tiny random models.
+
+Each scheduler feature must leave the tokens unchanged: preemption, prefix caching
+and chunked prefill are checked against a run without them, greedy, token for token.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from pagoda import LLM, SamplingParams
+from shared.sampling_params import SamplingParamsError
+from support.checkpoints import make_checkpoint
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("llm-tiny"), "llama", seed=4,
+                           max_position_embeddings=4096)
+
+
+def random_prompts(count: int, lo: int, hi: int, seed: int, vocab: int = 512) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(count)]
+
+
+def tokens(outputs) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def assert_pool_back(llm: LLM) -> None:
+    llm.engine.scheduler.check_invariants()
+    stats = llm.stats()
+    assert stats.running == 0 and stats.waiting == 0
+    assert stats.kv_usage == 0.0, f"blocks still held: usage {stats.kv_usage}"
+
+
+def test_preemption_gives_the_same_tokens(model_dir: Path) -> None:
+    prompts = random_prompts(64, 5, 60, seed=1)
+    params = [SamplingParams(temperature=0.0, max_tokens=random.Random(i).randint(8, 40),
+                             ignore_eos=True) for i in range(64)]
+    big = LLM(str(model_dir), num_kv_blocks=2048, strict_invariants=True)
+    expected = tokens(big.generate(prompts, params, use_tqdm=False))
+    small = LLM(str(model_dir), num_kv_blocks=24, max_num_seqs=64, strict_invariants=True)
+    got = tokens(small.generate(prompts, params, use_tqdm=False))
+    assert small.stats().num_preemptions >= 10, "the small pool should preempt many times"
+    assert got == expected
+    assert_pool_back(small)
+
+
+def test_prefix_caching_hits_and_same_tokens(model_dir: Path) -> None:
+    system = random_prompts(1, 256, 256, seed=2)[0]
+    prompts = [system + p for p in random_prompts(32, 4, 30, seed=3)]
+    off = LLM(str(model_dir), enable_prefix_caching=False, strict_invariants=True)
+    expected = tokens(off.generate(prompts, GREEDY, use_tqdm=False))
+    on = LLM(str(model_dir), strict_invariants=True)
+    first = tokens(on.generate(prompts[:1], GREEDY, use_tqdm=False))
+    before = on.stats().prefix_cache_hits
+    rest = tokens(on.generate(prompts[1:], GREEDY, use_tqdm=False))
+    hits = on.stats().prefix_cache_hits - before
+    assert hits >= 0.9 * 31 * 256, f"{hits} hit tokens for 31 requests sharing 256 tokens"
+    assert first + rest == expected
+    assert off.stats().prefix_cache_hits == 0
+    assert_pool_back(on)
+
+
+def test_chunked_prefill_same_tokens_and_decodes_keep_going(model_dir: Path) -> None:
+    long_prompt = random_prompts(1, 2000, 2000, seed=5)[0]
+    short = random_prompts(3, 5, 10, seed=6)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    wide = LLM(str(model_dir), max_num_batched_tokens=4096, strict_invariants=True)
+    expected = tokens(wide.generate([long_prompt], params, use_tqdm=False))
+
+    narrow = LLM(str(model_dir), max_num_batched_tokens=256, strict_invariants=True)
+    narrow.engine.step_trace = []
+    decoding = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    outs = narrow.generate(short + [long_prompt], [decoding] * 3 + [params], use_tqdm=False)
+    assert tokens(outs)[3] == expected[0]
+    trace = narrow.engine.step_trace
+    long_id = outs[3].request_id
+    prefill_steps = [b for b in trace if any(
+        rid.startswith(long_id) and n > 1 for rid, n in zip(b.scheduled_request_ids, b.num_scheduled_tokens))]
+    assert len(prefill_steps) >= 2000 // 256, "the long prompt should be split into chunks"
+    short_ids = {o.request_id for o in outs[:3]}
+    for batch in prefill_steps[1:]:  # the short ones prefilled in the first step
+        decoded = {rid.rsplit("-", 1)[0] for rid, n in zip(batch.scheduled_request_ids, batch.num_scheduled_tokens) if n == 1}
+        assert short_ids <= decoded | {rid for rid in batch.scheduled_request_ids}, batch
+        assert batch.total_num_scheduled_tokens <= 256
+    assert_pool_back(narrow)
+
+
+def test_n4_children_share_prompt_blocks_and_are_freed(model_dir: Path) -> None:
+    llm = LLM(str(model_dir), strict_invariants=True)
+    prompt = random_prompts(1, 100, 100, seed=7)[0]
+    out = llm.generate([prompt], SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=12,
+                                                ignore_eos=True), use_tqdm=False)[0]
+    assert [o.index for o in out.outputs] == [0, 1, 2, 3]
+    assert all(len(o.token_ids) == 12 for o in out.outputs)
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1, "seeded children should differ"
+    again = llm.generate([prompt], SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=12,
+                                                  ignore_eos=True), use_tqdm=False)[0]
+    assert [o.token_ids for o in again.outputs] == [o.token_ids for o in out.outputs]
+    assert_pool_back(llm)
+
+
+def test_prompt_forms_and_validation(model_dir: Path) -> None:
+    llm = LLM(str(model_dir), max_model_len=256)
+    one = llm.generate([5, 6, 7], GREEDY, use_tqdm=False)
+    assert len(one) == 1 and one[0].prompt_token_ids == [5, 6, 7]
+    two = llm.generate([[5, 6, 7], [8, 9]], [GREEDY, GREEDY], use_tqdm=False)
+    assert tokens(two)[0] == tokens(one)[0]
+    with pytest.raises(ValueError):
+        llm.generate([[5, 6]], [GREEDY, GREEDY], use_tqdm=False)
+    with pytest.raises(SamplingParamsError, match="top_p"):
+        SamplingParams(top_p=1.5)
+    with pytest.raises(SamplingParamsError, match="temperature"):
+        SamplingParams(temperature=float("nan"))
+    with pytest.raises(Exception, match="256"):
+        llm.generate([list(range(3, 300))], GREEDY, use_tqdm=False)
+    assert_pool_back(llm)
