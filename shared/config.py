@@ -1,0 +1,318 @@
+"""Configuration of every pagoda process: all endpoints, engine and process settings.
+
+Each value is declared once in ``SETTINGS`` (name, ``PAGODA_*`` environment variable,
+type, default, help). ``add_arguments`` turns the table into argparse flags and
+``load_config`` resolves each value as flag > environment > default into frozen
+dataclasses. ``pagoda serve`` passes ``Endpoints.local(run_dir)`` as the default
+endpoints (ipc:// files in a private run directory); a role started alone
+(``pagoda scheduler|worker|frontend``, what a container runs) takes its addresses
+from flags or environment, else the loopback-TCP defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from shared.codec import MAX_FRAME_BYTES
+from shared.ipc import DEFAULT_HWM, check_address
+
+DEFAULT_BASE_PORT = 5570  # scheduler: +0 frontends, +1 step, +2 results; frontends: +10 + i
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+class ConfigError(ValueError):
+    """A setting with a bad value; the message names the flag or variable."""
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """Every ZMQ address of one stack. Who binds and who connects is fixed per link."""
+
+    # frontends -> scheduler (AddRequest, AbortRequest) and back (RequestOutputs, RequestError):
+    # the scheduler binds a ROUTER, each frontend connects a DEALER whose identity is its id
+    scheduler_frontend: str
+    # scheduler -> workers (StepBatch): the scheduler binds an XPUB, every TP rank connects
+    # a SUB, so each rank gets the same step from one send (not PUSH: it round-robins)
+    scheduler_step: str
+    # workers -> scheduler (WorkerReady from every rank, StepResult from rank 0):
+    # the scheduler binds a PULL, each rank connects a PUSH
+    scheduler_result: str
+    # clients (pagoda.client) -> frontend i: frontend i binds a ROUTER, clients connect DEALERs
+    frontend_native: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if not self.frontend_native:
+            raise ConfigError("frontend_native: at least one frontend address")
+        for name, address in self.items():
+            try:
+                check_address(address)
+            except ValueError as e:
+                raise ConfigError(f"{name}: {e}") from None
+
+    def items(self) -> list[tuple[str, str]]:
+        """(name, address) of every endpoint, frontends as ``frontend_native[i]``."""
+        pairs = [
+            ("scheduler_frontend", self.scheduler_frontend),
+            ("scheduler_step", self.scheduler_step),
+            ("scheduler_result", self.scheduler_result),
+        ]
+        pairs += [(f"frontend_native[{i}]", a) for i, a in enumerate(self.frontend_native)]
+        return pairs
+
+    def ipc_paths(self) -> list[Path]:
+        """The socket files the ipc:// endpoints create (for cleanup checks)."""
+        return [Path(a[len("ipc://"):]) for _, a in self.items() if a.startswith("ipc://")]
+
+    @classmethod
+    def local(cls, run_dir: str | Path, num_frontends: int = 1) -> Endpoints:
+        """The embedded default: ipc:// socket files in a private run directory."""
+        d = Path(run_dir)
+        return cls(
+            scheduler_frontend=f"ipc://{d / 'scheduler-frontend.sock'}",
+            scheduler_step=f"ipc://{d / 'scheduler-step.sock'}",
+            scheduler_result=f"ipc://{d / 'scheduler-result.sock'}",
+            frontend_native=tuple(f"ipc://{d / f'frontend-{i}.sock'}" for i in range(num_frontends)),
+        )
+
+    @classmethod
+    def loopback_tcp(
+        cls, base_port: int = DEFAULT_BASE_PORT, num_frontends: int = 1, host: str = "127.0.0.1"
+    ) -> Endpoints:
+        """TCP on one host (loopback by default), ports from ``base_port`` up."""
+        return cls(
+            scheduler_frontend=f"tcp://{host}:{base_port}",
+            scheduler_step=f"tcp://{host}:{base_port + 1}",
+            scheduler_result=f"tcp://{host}:{base_port + 2}",
+            frontend_native=tuple(f"tcp://{host}:{base_port + 10 + i}" for i in range(num_frontends)),
+        )
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What the scheduler and the workers need to build the engine."""
+
+    model: str = "smollm2"  # a directory, or a name `pagoda fetch` knows
+    block_size: int = 16  # tokens per KV block
+    max_num_seqs: int = 256  # running requests per step
+    max_num_batched_tokens: int = 2048  # tokens per step
+    enable_prefix_caching: bool = True
+    kv_cache_bytes: int | None = None  # KV pool size on CPU; None: the worker's default
+    num_kv_blocks: int | None = None  # overrides kv_cache_bytes
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    dtype: str = "auto"  # one of DTYPES; auto: bfloat16 on CUDA, float32 on CPU
+    device: str = "auto"  # auto, cpu, cuda, cuda:N
+    tensor_parallel_size: int = 1  # worker ranks the scheduler waits for
+    max_queued_requests: int = 1024  # waiting requests before the scheduler answers overloaded
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens",
+                     "tensor_parallel_size", "max_queued_requests"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        for name in ("kv_cache_bytes", "num_kv_blocks", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{name}: must be >= 1, got {value}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype: must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ConfigError(f"device: expected auto, cpu, cuda or cuda:N, got {self.device!r}")
+
+
+@dataclass(frozen=True)
+class ProcessSettings:
+    """How the processes start, talk and stop."""
+
+    num_frontends: int = 1  # frontends `pagoda serve` starts
+    frontend_index: int = 0  # which frontend_native address a frontend process binds
+    http_host: str = "127.0.0.1"
+    http_port: int = 8000
+    allow_wildcard_bind: bool = False  # only on an isolated network (compose internal net)
+    socket_hwm: int = DEFAULT_HWM
+    max_frame_bytes: int = MAX_FRAME_BYTES
+    startup_timeout_s: float = 300.0  # for a child's ready report (model load included)
+    shutdown_timeout_s: float = 30.0  # drain time after SIGTERM
+
+    def __post_init__(self) -> None:
+        if self.num_frontends < 1 or self.frontend_index < 0:
+            raise ConfigError("num_frontends must be >= 1 and frontend_index >= 0")
+        if not 0 < self.http_port < 65536:
+            raise ConfigError(f"http_port: must be in 1..65535, got {self.http_port}")
+        if self.socket_hwm < 1 or self.max_frame_bytes < 1024:
+            raise ConfigError("socket_hwm must be >= 1 and max_frame_bytes >= 1024")
+        if self.startup_timeout_s <= 0 or self.shutdown_timeout_s < 0:
+            raise ConfigError("startup_timeout_s must be > 0 and shutdown_timeout_s >= 0")
+
+
+@dataclass(frozen=True)
+class PagodaConfig:
+    endpoints: Endpoints
+    engine: EngineSettings
+    process: ProcessSettings
+
+
+# -- the registry ----------------------------------------------------------------------------
+
+
+def _parse_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected a boolean (1/0, true/false), got {text!r}")
+
+
+_SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def _parse_bytes(text: str) -> int:
+    """``4GiB``, ``512MiB``, ``1e9`` or a plain number of bytes."""
+    m = re.fullmatch(r"\s*([0-9.e+]+)\s*([a-z]*)\s*", text.lower())
+    if not m or m.group(2) not in _SIZE_UNITS:
+        raise ValueError(f"expected a size such as 4GiB, got {text!r}")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2)])
+
+
+def _optional(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    def parse_optional(text: str) -> Any:
+        return None if text.strip().lower() in ("", "none") else parse(text)
+
+    return parse_optional
+
+
+def _parse_addresses(text: str) -> tuple[str, ...]:
+    return tuple(a.strip() for a in text.split(",") if a.strip())
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One value any process may need: its env var, flag, parser, default and help."""
+
+    key: str  # the argparse dest and the dataclass field
+    group: str  # "endpoints", "engine" or "process"
+    parse: Callable[[str], Any]
+    default: Any
+    help: str
+
+    @property
+    def env(self) -> str:
+        return "PAGODA_" + self.key.upper()
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.key.replace("_", "-")
+
+
+_ENGINE, _PROC, _EP = EngineSettings(), ProcessSettings(), "endpoints"
+SETTINGS: tuple[Setting, ...] = (
+    # endpoints: None means "from the default Endpoints" (local ipc for serve, else loopback TCP)
+    Setting("scheduler_frontend", _EP, str, None, "scheduler ROUTER for frontends (it binds)"),
+    Setting("scheduler_step", _EP, str, None, "scheduler XPUB for steps to workers (it binds)"),
+    Setting("scheduler_result", _EP, str, None, "scheduler PULL for worker results (it binds)"),
+    Setting("frontend_native", _EP, _parse_addresses, None,
+            "comma-separated native-API ROUTER address of each frontend (each binds its own)"),
+    Setting("model", "engine", str, _ENGINE.model, "model directory or known name"),
+    Setting("block_size", "engine", int, _ENGINE.block_size, "tokens per KV block"),
+    Setting("max_num_seqs", "engine", int, _ENGINE.max_num_seqs, "running requests per step"),
+    Setting("max_num_batched_tokens", "engine", int, _ENGINE.max_num_batched_tokens,
+            "token budget per step"),
+    Setting("enable_prefix_caching", "engine", _parse_bool, _ENGINE.enable_prefix_caching,
+            "reuse cached KV blocks of shared prefixes"),
+    Setting("kv_cache_bytes", "engine", _optional(_parse_bytes), None, "KV pool size, e.g. 4GiB"),
+    Setting("num_kv_blocks", "engine", _optional(int), None, "KV pool size in blocks"),
+    Setting("max_model_len", "engine", _optional(int), None, "longest prompt + output"),
+    Setting("dtype", "engine", str, _ENGINE.dtype, f"one of {', '.join(DTYPES)}"),
+    Setting("device", "engine", str, _ENGINE.device, "auto, cpu, cuda or cuda:N"),
+    Setting("tensor_parallel_size", "engine", int, _ENGINE.tensor_parallel_size, "worker ranks"),
+    Setting("max_queued_requests", "engine", int, _ENGINE.max_queued_requests,
+            "waiting requests before new ones are refused as overloaded"),
+    Setting("num_frontends", "process", int, _PROC.num_frontends, "frontends serve starts"),
+    Setting("frontend_index", "process", int, _PROC.frontend_index,
+            "which frontend_native address this frontend binds"),
+    Setting("http_host", "process", str, _PROC.http_host, "HTTP API host"),
+    Setting("http_port", "process", int, _PROC.http_port, "HTTP API port"),
+    Setting("allow_wildcard_bind", "process", _parse_bool, _PROC.allow_wildcard_bind,
+            "allow binding tcp://* or 0.0.0.0 (isolated networks only)"),
+    Setting("socket_hwm", "process", int, _PROC.socket_hwm, "ZMQ high-water mark (messages)"),
+    Setting("max_frame_bytes", "process", _parse_bytes, _PROC.max_frame_bytes,
+            "largest ZMQ frame accepted"),
+    Setting("startup_timeout_s", "process", float, _PROC.startup_timeout_s,
+            "seconds to wait for a child process to report ready"),
+    Setting("shutdown_timeout_s", "process", float, _PROC.shutdown_timeout_s,
+            "seconds to drain on SIGTERM"),
+)
+SETTINGS_BY_KEY: dict[str, Setting] = {s.key: s for s in SETTINGS}
+
+
+def add_arguments(parser: argparse.ArgumentParser, groups: tuple[str, ...] | None = None) -> None:
+    """Add a flag for each setting (of ``groups``, default all); unset flags stay None."""
+    for group in ("endpoints", "engine", "process"):
+        if groups is not None and group not in groups:
+            continue
+        arg_group = parser.add_argument_group(group)
+        for s in SETTINGS:
+            if s.group != group:
+                continue
+            help_text = f"{s.help} [env {s.env}; default {s.default}]"
+            if s.parse is _parse_bool:
+                arg_group.add_argument(s.flag, dest=s.key, default=None,
+                                       action=argparse.BooleanOptionalAction, help=help_text)
+            else:
+                arg_group.add_argument(s.flag, dest=s.key, default=None, type=s.parse,
+                                       help=help_text)
+
+
+def resolve(
+    args: argparse.Namespace | Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """Every setting's value: the flag if given, else its PAGODA_* variable, else the default."""
+    given = vars(args) if isinstance(args, argparse.Namespace) else dict(args or {})
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    for s in SETTINGS:
+        if given.get(s.key) is not None:
+            values[s.key] = given[s.key]
+        elif s.env in env:
+            try:
+                values[s.key] = s.parse(env[s.env])
+            except ValueError as e:
+                raise ConfigError(f"{s.env}: {e}") from None
+        else:
+            values[s.key] = s.default
+    return values
+
+
+def load_config(
+    args: argparse.Namespace | Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+    default_endpoints: Endpoints | None = None,
+) -> PagodaConfig:
+    """Resolve every setting into frozen configs; ConfigError names a bad value."""
+    values = resolve(args, env)
+    base = default_endpoints or Endpoints.loopback_tcp(num_frontends=values["num_frontends"])
+    endpoints = Endpoints(**{
+        f.name: values[f.name] if values[f.name] is not None else getattr(base, f.name)
+        for f in fields(Endpoints)
+    })
+    engine = EngineSettings(**{f.name: values[f.name] for f in fields(EngineSettings)})
+    process = ProcessSettings(**{f.name: values[f.name] for f in fields(ProcessSettings)})
+    if process.frontend_index >= len(endpoints.frontend_native):
+        raise ConfigError(
+            f"frontend_index {process.frontend_index} but only "
+            f"{len(endpoints.frontend_native)} frontend_native addresses"
+        )
+    return PagodaConfig(endpoints, engine, process)
+
+
+def env_help() -> str:
+    """One line per environment variable, for --help epilogs and docs."""
+    return "\n".join(f"  {s.env:<36} {s.help} (default {s.default})" for s in SETTINGS)
