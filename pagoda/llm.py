@@ -86,7 +86,13 @@ class LLM:
     ) -> list[RequestOutput]:
         prompt_list = _normalise_prompts(prompts)
         params = _broadcast_params(sampling_params, len(prompt_list))
-        requests = [self._add(prompt, p) for prompt, p in zip(prompt_list, params)]
+        requests: list[_Request] = []
+        try:
+            for prompt, p in zip(prompt_list, params):
+                requests.append(self._add(prompt, p))
+        except BaseException:  # one bad prompt rejects the call: nothing stays queued
+            self.engine.abort_request([r.request_id for r in requests])
+            raise
         self._run(requests, use_tqdm)
         return [self._to_output(r) for r in requests]
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from pagoda import LLM, SamplingParams
+from services.scheduler.scheduler import RequestRejected
 from shared.sampling_params import SamplingParamsError
 from support.checkpoints import make_checkpoint
 
@@ -89,7 +90,7 @@ def test_chunked_prefill_same_tokens_and_decodes_keep_going(model_dir: Path) -> 
     short_ids = {o.request_id for o in outs[:3]}
     for batch in prefill_steps[1:]:  # the short ones prefilled in the first step
         decoded = {rid.rsplit("-", 1)[0] for rid, n in zip(batch.scheduled_request_ids, batch.num_scheduled_tokens) if n == 1}
-        assert short_ids <= decoded | {rid for rid in batch.scheduled_request_ids}, batch
+        assert short_ids <= decoded, f"a running decode missed a step: {batch}"
         assert batch.total_num_scheduled_tokens <= 256
     assert_pool_back(narrow)
 
@@ -120,6 +121,25 @@ def test_prompt_forms_and_validation(model_dir: Path) -> None:
         SamplingParams(top_p=1.5)
     with pytest.raises(SamplingParamsError, match="temperature"):
         SamplingParams(temperature=float("nan"))
-    with pytest.raises(Exception, match="256"):
-        llm.generate([list(range(3, 300))], GREEDY, use_tqdm=False)
+    with pytest.raises(RequestRejected, match="256"):
+        llm.generate([[5, 6], list(range(3, 300))], GREEDY, use_tqdm=False)
+    assert llm.engine.scheduler.requests == {}, "the good prompt of a rejected call stays queued"
+    assert_pool_back(llm)
+
+
+def test_stop_strings_cut_the_text(smollm2_dir: Path) -> None:
+    llm = LLM(str(smollm2_dir), num_kv_blocks=256, strict_invariants=True)
+    msgs = [{"role": "user", "content": "List three fruits, separated by commas."}]
+    base = llm.chat(msgs, SamplingParams(temperature=0.0, max_tokens=40), use_tqdm=False)[0].outputs[0]
+    text = base.text
+    stop = text[len(text) // 3 : len(text) // 3 + 4]
+    assert stop.strip(), f"pick a visible stop string from {text!r}"
+    cut = llm.chat(msgs, SamplingParams(temperature=0.0, max_tokens=40, stop=[stop]), use_tqdm=False)
+    out = cut[0].outputs[0]
+    assert out.text == text[: text.index(stop)]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert len(out.token_ids) < len(base.token_ids)
+    kept = llm.chat(msgs, SamplingParams(temperature=0.0, max_tokens=40, stop=[stop],
+                                         include_stop_str_in_output=True), use_tqdm=False)
+    assert kept[0].outputs[0].text == text[: text.index(stop) + len(stop)]
     assert_pool_back(llm)

@@ -1,0 +1,59 @@
+"""A fabricated worker for scheduler tests: applies StepBatch deltas like the real
+ModelRunner (and checks them), but "samples" a token computed from the sequence's
+tokens instead of running a model, so scheduler tests run in microseconds per step.
+
+It is strict about the protocol: a running request it has no state for, a step that
+computes past the known tokens, or a block table too short for the step fails loudly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared.protocol import StepBatch, StepResult
+
+
+@dataclass
+class _Seq:
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed: int
+
+
+class FakeWorker:
+    def __init__(self, block_size: int, vocab_size: int = 1000, avoid: frozenset[int] = frozenset()) -> None:
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.avoid = avoid  # token ids never produced (e.g. EOS) unless forced
+        self.seqs: dict[str, _Seq] = {}
+        self.forced: dict[str, list[int]] = {}  # seq_id -> tokens to emit next, in order
+
+    def next_token(self, tokens: list[int]) -> int:
+        token = (sum(tokens[-3:]) * 31 + len(tokens)) % self.vocab_size
+        while token in self.avoid:
+            token = (token + 1) % self.vocab_size
+        return token
+
+    def execute(self, batch: StepBatch) -> StepResult:
+        for rid in batch.finished_request_ids:
+            self.seqs.pop(rid, None)
+        for new in batch.new_requests:
+            assert new.request_id not in self.seqs, f"{new.request_id} sent twice"
+            self.seqs[new.request_id] = _Seq(list(new.token_ids), list(new.block_ids), new.num_computed_tokens)
+        for running in batch.running_requests:
+            self.seqs[running.request_id].block_ids.extend(running.new_block_ids)
+        result = StepResult(step_id=batch.step_id)
+        for rid, n in zip(batch.scheduled_request_ids, batch.num_scheduled_tokens, strict=True):
+            seq = self.seqs[rid]
+            seq.num_computed += n
+            assert seq.num_computed <= len(seq.token_ids), f"{rid} computes past its tokens"
+            assert len(seq.block_ids) * self.block_size >= seq.num_computed, f"{rid} lacks blocks"
+            assert len(set(seq.block_ids)) == len(seq.block_ids)
+            if seq.num_computed == len(seq.token_ids):
+                forced = self.forced.get(rid)
+                token = forced.pop(0) if forced else self.next_token(seq.token_ids)
+                seq.token_ids.append(token)
+                result.request_ids.append(rid)
+                result.sampled_token_ids.append(token)
+                result.logprobs.append(None)
+        return result
