@@ -1,0 +1,222 @@
+"""Malformed frames are rejected with a reason, and safe_decode drops and counts them."""
+
+from __future__ import annotations
+
+import logging
+import math
+import struct
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from wire_samples import samples, step_batch
+
+from shared.codec import (
+    KIND_OF,
+    WIRE_VERSION,
+    DecodeError,
+    MalformedFrameCounter,
+    decode,
+    encode,
+    safe_decode,
+)
+from shared.protocol import (
+    AbortRequest,
+    AddRequest,
+    RequestOutput,
+    RequestOutputs,
+    StepBatch,
+    StepResult,
+    TokenLogprobs,
+    WorkerReady,
+)
+from shared.sampling_params import SamplingParams
+
+ADD = AddRequest("r", [1, 2], SamplingParams(), 1.0)
+FRONTEND_IN = (AddRequest, AbortRequest)
+
+
+def mutated(msg: Any, edit: Callable[[list[Any]], None]) -> bytes:
+    """``msg``'s frame with its payload edited (a valid envelope of the wrong shape)."""
+    envelope = msgpack.unpackb(encode(msg), raw=False)
+    edit(envelope[2])
+    return msgpack.packb(envelope, use_bin_type=True)
+
+
+def setter(*path: int, value: Any) -> Callable[[list[Any]], None]:
+    def edit(payload: list[Any]) -> None:
+        target = payload
+        for i in path[:-1]:
+            target = target[i]
+        target[path[-1]] = value
+
+    return edit
+
+
+def envelope(version: Any, kind: Any, payload: Any) -> bytes:
+    return msgpack.packb([version, kind, payload], use_bin_type=True)
+
+
+BAD_FRAMES: dict[str, tuple[bytes, str]] = {
+    # name: (frame, reason)
+    "empty": (b"", "msgpack"),
+    "garbage": (b"\xc1\xff\x00garbage", "msgpack"),
+    "truncated": (encode(ADD)[:-3], "msgpack"),
+    "trailing bytes": (encode(ADD) + b"\x00", "msgpack"),
+    "invalid utf-8": (b"\x93\x01\x02\x91\xa2\xff\xfe", "msgpack"),
+    "ext type": (msgpack.packb([1, 1, [msgpack.ExtType(5, b"x")]]), "msgpack"),
+    "timestamp": (msgpack.packb([1, 1, msgpack.Timestamp(1, 0)]), "msgpack"),
+    "map envelope": (msgpack.packb({"kind": 1}), "msgpack"),
+    "deep nesting": (b"\x91" * 100_000, "msgpack"),
+    "scalar envelope": (msgpack.packb(7), "envelope"),
+    "two-item envelope": (msgpack.packb([WIRE_VERSION, 1]), "envelope"),
+    "wrong version": (envelope(WIRE_VERSION + 1, KIND_OF[AddRequest], []), "version"),
+    "string version": (envelope("1", KIND_OF[AddRequest], []), "version"),
+    "unknown kind": (envelope(WIRE_VERSION, 99, []), "kind"),
+    "kind as class name": (envelope(WIRE_VERSION, "AddRequest", []), "kind"),
+    "bool kind": (envelope(WIRE_VERSION, True, []), "kind"),
+    "unexpected kind": (encode(StepBatch(1)), "unexpected_kind"),
+    "payload not array": (envelope(WIRE_VERSION, KIND_OF[AddRequest], "r"), "type"),
+    "too few fields": (mutated(ADD, lambda p: p.__delitem__(slice(2, None))), "arity"),
+    "too many fields": (mutated(ADD, lambda p: p.append(0)), "arity"),
+    "id not str": (mutated(ADD, setter(0, value=17)), "type"),
+    "arrival not float": (mutated(ADD, setter(3, value="now")), "type"),
+    "arrival int": (mutated(ADD, setter(3, value=1)), "type"),
+    "arrival nan": (mutated(ADD, setter(3, value=math.nan)), "range"),
+    "priority bool": (mutated(ADD, setter(4, value=True)), "type"),
+    "priority over int64": (mutated(ADD, setter(4, value=2**64 - 1)), "range"),
+    "ids as int list": (mutated(ADD, setter(1, value=[1, 2])), "type"),
+    "ids as str": (mutated(ADD, setter(1, value="\x01\x00\x00\x00")), "type"),
+    "packed length": (mutated(ADD, setter(1, value=b"\x01\x00\x00\x00\x02")), "packed_length"),
+    "negative id": (mutated(ADD, setter(1, value=struct.pack("<2i", 5, -1))), "range"),
+    "params as str": (mutated(ADD, setter(2, value="greedy")), "type"),
+    "params arity": (mutated(ADD, setter(2, value=[1] * 17)), "arity"),
+    "temperature < 0": (mutated(ADD, setter(2, 1, value=-1.0)), "value"),
+    "top_p 0": (mutated(ADD, setter(2, 2, value=0.0)), "value"),
+    "n 0": (mutated(ADD, setter(2, 0, value=0)), "value"),
+    "temperature inf": (mutated(ADD, setter(2, 1, value=math.inf)), "range"),
+    "stop not list": (mutated(ADD, setter(2, 9, value="\n")), "type"),
+    "stop item not str": (mutated(ADD, setter(2, 9, value=[1])), "type"),
+    "ignore_eos int": (mutated(ADD, setter(2, 12, value=1)), "type"),
+}
+
+FRONTEND_ONLY = {"unexpected kind"}
+
+NESTED_BAD: dict[str, tuple[bytes, str]] = {
+    "output not array": (mutated(RequestOutputs([RequestOutput("r", 0, [1])]),
+                                 setter(0, 0, value="x")), "type"),
+    "output index negative": (mutated(RequestOutputs([RequestOutput("r", 0, [1])]),
+                                      setter(0, 0, 1, value=-1)), "range"),
+    "logprob +inf": (mutated(StepResult(1, ["a"], [1], [TokenLogprobs(-1.0, 1, [], [])]),
+                             setter(3, 0, 0, value=math.inf)), "range"),
+    "logprob nan": (mutated(StepResult(1, ["a"], [1], [TokenLogprobs(-1.0, 1, [], [])]),
+                            setter(3, 0, 0, value=math.nan)), "range"),
+    "top lists differ": (mutated(StepResult(1, ["a"], [1], [TokenLogprobs(-1.0, 1, [], [])]),
+                                 setter(3, 0, 3, value=[-2.0])), "value"),
+    "step result lengths": (mutated(StepResult(1, ["a"], [1]), setter(2, value=b"")), "value"),
+    "step id negative": (mutated(StepBatch(0), setter(0, value=-1)), "range"),
+    "batch lengths": (mutated(StepBatch(0), setter(3, value=["a"])), "value"),
+    "new request computed > tokens": (mutated(step_batch(), setter(1, 0, 5, value=10**6)),
+                                      "value"),
+    "new request wrong params": (mutated(step_batch(), setter(1, 0, 3, 0, value=0)), "value"),
+    "running request wrong type": (mutated(step_batch(), setter(2, 0, value=None)), "type"),
+    "worker ready negative": (mutated(WorkerReady(0, 1, 1, 1, 1, []), setter(1, value=-8)),
+                              "range"),
+    "abort ids not strings": (mutated(AbortRequest(["a"]), setter(0, value=[b"a"])), "type"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_FRAMES))
+def test_frontend_socket_rejects(name: str) -> None:
+    frame, reason = BAD_FRAMES[name]
+    with pytest.raises(DecodeError) as info:
+        decode(frame, expected=FRONTEND_IN)
+    assert info.value.reason == reason, str(info.value)
+    assert str(info.value)  # says why
+    counter = MalformedFrameCounter()
+    assert safe_decode([b"frontend-1", frame], "scheduler.frontend", FRONTEND_IN, counter,
+                       num_frames=2) is None
+    assert counter.count("scheduler.frontend", reason) == 1 and counter.count() == 1
+
+
+@pytest.mark.parametrize("name", sorted(NESTED_BAD))
+def test_nested_shapes_rejected(name: str) -> None:
+    frame, reason = NESTED_BAD[name]
+    with pytest.raises(DecodeError) as info:
+        decode(frame)
+    assert info.value.reason == reason, str(info.value)
+    counter = MalformedFrameCounter()
+    assert safe_decode([frame], "worker.step", None, counter) is None
+    assert counter.snapshot() == {("worker.step", reason): 1}
+
+
+@pytest.mark.parametrize("frames", [[], [b"a"], [b"a", b"b", encode(ADD)]])
+def test_wrong_frame_count_is_dropped(frames: list[bytes]) -> None:
+    counter = MalformedFrameCounter()
+    assert safe_decode(frames, "sock", None, counter, num_frames=2) is None
+    assert counter.count("sock", "frame_count") == 1
+
+
+def test_non_bytes_frames_do_not_raise() -> None:
+    counter = MalformedFrameCounter()
+    for frame in (None, 17, "text", [1, 2]):
+        assert safe_decode([frame], "sock", None, counter) is None
+    assert counter.count("sock") == 4
+
+
+def test_valid_frames_still_decode_after_drops() -> None:
+    counter = MalformedFrameCounter()
+    assert safe_decode([b"junk"], "s", None, counter) is None
+    for msg in samples():
+        assert safe_decode([encode(msg)], "s", None, counter) == msg
+    assert counter.count() == 1
+
+
+def test_logging_is_rate_limited_and_shows_only_a_prefix(caplog: pytest.LogCaptureFixture) -> None:
+    now = [100.0]
+    counter = MalformedFrameCounter(log_interval_s=10.0, clock=lambda: now[0])
+    secret = b"\xc1" + b"SECRET-PROMPT-TEXT" * 10
+    with caplog.at_level(logging.WARNING, logger="pagoda.wire"):
+        for _ in range(50):
+            safe_decode([secret], "sched", None, counter)
+        now[0] += 11.0
+        safe_decode([secret], "sched", None, counter)
+    assert counter.count("sched", "msgpack") == 51
+    assert len(caplog.records) == 2  # the first drop, then one per interval
+    text = caplog.text
+    assert secret[:16].hex() in text and "SECRET-PROMPT-TEXT" not in text
+    assert secret[:17].hex() not in text
+    assert "49 more dropped" in text
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.binary(max_size=256), max_size=3))
+def test_random_bytes_never_raise(frames: list[bytes]) -> None:
+    counter = MalformedFrameCounter(logger=logging.getLogger("fuzz.quiet"))
+    result = safe_decode(frames, "fuzz", None, counter)
+    assert result is None or type(result) in KIND_OF
+    assert counter.count() == (0 if result is not None else 1)
+
+
+msgpack_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**64), 2**64 - 1) | st.floats()
+    | st.text(max_size=8) | st.binary(max_size=12),
+    lambda children: st.lists(children, max_size=6),
+    max_leaves=30,
+)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from(sorted(KIND_OF.values())), msgpack_values)
+def test_random_payloads_in_valid_envelopes_never_raise(kind: int, payload: Any) -> None:
+    try:
+        frame = envelope(WIRE_VERSION, kind, payload)
+    except (OverflowError, ValueError):
+        return  # not representable in msgpack
+    counter = MalformedFrameCounter(logger=logging.getLogger("fuzz.quiet"))
+    result = safe_decode([frame], "fuzz", None, counter)
+    if result is None:
+        assert counter.count() == 1 and counter.count(reason="internal") == 0

@@ -1,0 +1,78 @@
+"""Sample messages of every wire type, ordinary and edge-case, for the codec tests."""
+
+from __future__ import annotations
+
+import math
+
+from shared.protocol import (
+    AbortRequest,
+    AddRequest,
+    NewRequest,
+    RequestError,
+    RequestOutput,
+    RequestOutputs,
+    RunningRequest,
+    StepBatch,
+    StepResult,
+    TokenLogprobs,
+    WorkerReady,
+)
+from shared.sampling_params import SamplingParams
+
+INT32_MAX = 2**31 - 1
+
+
+def logprobs(k: int = 2) -> TokenLogprobs:
+    return TokenLogprobs(logprob=-0.25, rank=1, top_token_ids=list(range(7, 7 + k)),
+                         top_logprobs=[-0.25 - i for i in range(k)])
+
+
+def sampling(**overrides: object) -> SamplingParams:
+    values: dict[str, object] = dict(
+        n=2, temperature=0.7, top_p=0.9, top_k=-1, min_p=0.05, presence_penalty=-1.5,
+        frequency_penalty=0.5, repetition_penalty=1.2, seed=-(2**63), stop=["\n\n", "终"],
+        stop_token_ids=[2, 0], include_stop_str_in_output=True, ignore_eos=True,
+        max_tokens=None, min_tokens=3, logprobs=5,
+    )
+    values.update(overrides)
+    return SamplingParams(**values)  # type: ignore[arg-type]
+
+
+def step_batch(num_running: int = 3, prompt_len: int = 40) -> StepBatch:
+    new = [
+        NewRequest(f"new-{i}", list(range(prompt_len)), prompt_len - 2, sampling(),
+                   [i, i + 100, INT32_MAX], 16)
+        for i in range(2)
+    ]
+    running = [RunningRequest(f"run-{i}", [i] if i % 2 else []) for i in range(num_running)]
+    ids = [r.request_id for r in new] + [r.request_id for r in running]
+    return StepBatch(7, new, running, ids, [prompt_len - 16] * 2 + [1] * num_running,
+                     ["gone-1", "gone-2"])
+
+
+def samples() -> list[object]:
+    """One or more instances of every top-level message type, edge cases included."""
+    return [
+        AddRequest("req-1", [1, 2, 3], SamplingParams(), 1700000000.25),
+        AddRequest("ключ-🔑-標識", [], sampling(temperature=0, seed=None), 0.0, priority=-5),
+        AddRequest("long", list(range(100_000)), SamplingParams(max_tokens=1), 1.0),
+        AddRequest("max-id", [INT32_MAX, 0], SamplingParams(temperature=2), 1.0),
+        AbortRequest([]),
+        AbortRequest(["a", "б", ""]),
+        RequestOutputs([]),
+        RequestOutputs([
+            RequestOutput("r", 0, [5, 6], [logprobs(), None]),
+            RequestOutput("r", 1, [], [], "stop", 2, 12, 8),
+            RequestOutput("s", 0, [9], [TokenLogprobs(-math.inf, 50_000, [], [])], "length"),
+        ]),
+        RequestError("req-1", "too_long", "prompt is 9000 tokens; max_model_len is 8192 ✗"),
+        StepBatch(0),
+        step_batch(),
+        StepResult(0),
+        StepResult(3, ["a", "b"], [11, 0], [None, logprobs(20)]),
+        StepResult(4, ["a"], [11]),  # logprobs omitted entirely
+        WorkerReady(rank=0, num_kv_blocks=4096, block_size=16, max_model_len=8192,
+                    vocab_size=49152, eos_token_ids=[0, 2]),
+        WorkerReady(rank=3, num_kv_blocks=2, block_size=1, max_model_len=1, vocab_size=1,
+                    eos_token_ids=[]),
+    ]
