@@ -37,7 +37,7 @@ class BlockAccountingError(AssertionError):
     """The block accounting invariant is broken (a bug, never user input)."""
 
 
-@dataclass
+@dataclass(slots=True)
 class KVBlock:
     block_id: int
     ref_count: int = 0
@@ -46,7 +46,7 @@ class KVBlock:
     token_ids: tuple[int, ...] | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class _SeqBlocks:
     block_ids: list[int] = field(default_factory=list)
     num_hashed: int = 0  # leading blocks whose hash is known

@@ -199,26 +199,24 @@ class Scheduler:
         return batch
 
     def _schedule_running(self, scheduled: dict[str, tuple[Request, int, list[int]]], budget: int) -> int:
-        # decodes first so a long prefill never starves them; then prompt chunks
-        for decodes in (True, False):
-            i = 0
-            while i < len(self.running) and budget > 0:
-                req = self.running[i]
-                remaining = req.num_tokens - req.num_computed_tokens
-                if (remaining == 1) != decodes or req.seq_id in scheduled:
-                    i += 1
-                    continue
-                n = min(remaining, budget)
-                new_blocks = self._grow_or_preempt(req, n, scheduled)
-                if req.status != RequestStatus.RUNNING:
-                    continue  # preempted itself or hit the pool ceiling: running shrank at i
-                if new_blocks is None:
-                    i += 1
-                    continue
-                scheduled[req.seq_id] = (req, n, new_blocks)
-                budget -= n
-                i += 1
-        # preemption may have returned tokens of victims scheduled earlier this step
+        # decodes first so a long prefill never starves them; then prompt chunks, oldest first
+        decodes: list[Request] = []
+        prefills: list[Request] = []
+        for r in self.running:
+            (decodes if len(r.token_ids) - r.num_computed_tokens == 1 else prefills).append(r)
+        running = RequestStatus.RUNNING
+        for req in itertools.chain(decodes, prefills):
+            if budget <= 0:
+                break
+            if req.status is not running:
+                continue  # preempted earlier in this pass
+            n = min(len(req.token_ids) - req.num_computed_tokens, budget)
+            new_blocks = self._grow_or_preempt(req, n, scheduled)
+            if new_blocks is None:
+                continue
+            scheduled[req.seq_id] = (req, n, new_blocks)
+            budget -= n
+        # preemption may have taken back tokens of victims scheduled earlier this step
         return self.config.max_num_batched_tokens - sum(n for _, n, _ in scheduled.values())
 
     def _grow_or_preempt(
@@ -317,12 +315,14 @@ class Scheduler:
         outputs, self._ceiling_outputs = self._ceiling_outputs, []
         live = {req.seq_id: req for req in self.running}
         bm = self.block_manager
+        block_size = self.config.block_size
         for seq_id, n in zip(batch.scheduled_request_ids, batch.num_scheduled_tokens):
             req = live.get(seq_id)
             if req is None:  # aborted while the step ran
                 continue
             req.num_computed_tokens += n
-            bm.cache_full_blocks(seq_id, req.token_ids, req.num_computed_tokens)
+            if n > 1 or req.num_computed_tokens % block_size == 0:  # a block may have filled
+                bm.cache_full_blocks(seq_id, req.token_ids, req.num_computed_tokens)
         max_model_len = self.config.max_model_len
         for seq_id, token, logprobs in zip(result.request_ids, result.sampled_token_ids, result.logprobs):
             req = live.get(seq_id)

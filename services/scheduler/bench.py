@@ -1,0 +1,179 @@
+"""Benchmark (not a test): the scheduler's own step time, and offline LLM throughput.
+
+    python -m services.scheduler.bench step [--running 256,1024] [--steps 200]
+    python -m services.scheduler.bench llm [--model smollm2] [--requests 64]
+                                           [--hf-batch-sizes 8,16,32,64]
+
+``step``: N requests with prompts of 1..4096 tokens are prefilled, then each decode
+step (``schedule()`` + a runner that returns a fixed token + ``update()``) is timed;
+no model runs, so the figure is the scheduler's own cost per step.
+
+``llm``: a seeded workload of mixed prompt and output lengths (exact output lengths
+through ``ignore_eos``) through ``LLM.generate``, beside HF transformers ``generate``
+on the same requests in the same run, in static batches of each given size (left
+padding, ``min_new_tokens = max_new_tokens`` = the batch's longest output; only the
+requested tokens count). The ratio is against HF's best batch size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import statistics
+import time
+from dataclasses import dataclass
+
+from services.scheduler.scheduler import Scheduler, SchedulerConfig
+from shared.protocol import StepBatch, StepResult
+from shared.sampling_params import SamplingParams
+
+
+class FixedTokenRunner:
+    """Stands in for the workers: every sequence that reaches its last known token
+    samples token 7. Tracks only the lengths it needs to tell who samples."""
+
+    def __init__(self) -> None:
+        self.lengths: dict[str, list[int]] = {}  # seq_id -> [num_tokens, num_computed]
+
+    def execute(self, batch: StepBatch) -> StepResult:
+        for rid in batch.finished_request_ids:
+            self.lengths.pop(rid, None)
+        for new in batch.new_requests:
+            self.lengths[new.request_id] = [len(new.token_ids), new.num_computed_tokens]
+        ids: list[str] = []
+        for rid, n in zip(batch.scheduled_request_ids, batch.num_scheduled_tokens):
+            state = self.lengths[rid]
+            state[1] += n
+            if state[1] == state[0]:
+                state[0] += 1
+                ids.append(rid)
+        return StepResult(batch.step_id, ids, [7] * len(ids), [None] * len(ids))
+
+
+def bench_step(num_running: int, steps: int, seed: int = 0) -> float:
+    """Median seconds of one decode step (schedule + fixed runner + update)."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(10, 30000) for _ in range(rng.randint(1, 4096))] for _ in range(num_running)]
+    block_size = 16
+    num_blocks = sum(len(p) // block_size + steps // block_size + 3 for p in prompts)
+    sched = Scheduler(SchedulerConfig(
+        num_blocks=num_blocks, block_size=block_size, max_num_seqs=num_running,
+        max_num_batched_tokens=1 << 20, max_model_len=8192, vocab_size=32000,
+    ))
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 10, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        sched.add_request(str(i), p, params)
+    runner = FixedTokenRunner()
+    batch = sched.schedule()  # one step prefills everything
+    sched.update(batch, runner.execute(batch))
+    # as the scheduler process does after start-up: the block pool and the long-lived
+    # request state leave the collector's generations (see services/scheduler/main.py)
+    gc.collect()
+    gc.freeze()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        batch = sched.schedule()
+        result = runner.execute(batch)
+        sched.update(batch, result)
+        times.append(time.perf_counter() - t0)
+        assert len(batch.scheduled_request_ids) == num_running
+    gc.unfreeze()
+    return statistics.median(times)
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+
+def make_workload(tokenizer, num: int, prompt_range: tuple[int, int], output_range: tuple[int, int],  # type: ignore[no-untyped-def]
+                  seed: int = 0) -> Workload:
+    """Prompts cut from real text (this module's docstring, repeated), seeded lengths."""
+    rng = random.Random(seed)
+    text_ids = tokenizer((__doc__ or "") * 40)["input_ids"]
+    prompts, outs = [], []
+    for _ in range(num):
+        length = rng.randint(*prompt_range)
+        start = rng.randrange(0, len(text_ids) - length)
+        prompts.append(text_ids[start : start + length])
+        outs.append(rng.randint(*output_range))
+    return Workload(prompts, outs)
+
+
+def bench_llm(model: str, work: Workload) -> float:
+    """Output tokens per second of LLM.generate on the workload."""
+    from pagoda.llm import LLM
+
+    llm = LLM(model)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in work.output_lens]
+    llm.generate(work.prompts[:2], params[:2], use_tqdm=False)  # warm-up
+    t0 = time.perf_counter()
+    outs = llm.generate(work.prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    produced = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert produced == sum(work.output_lens)
+    return produced / elapsed
+
+
+def bench_hf_static(model_dir: str, work: Workload, batch_size: int) -> float:
+    """Useful output tokens per second of HF generate in static batches (left padding)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    pad = hf.config.eos_token_id if isinstance(hf.config.eos_token_id, int) else 0
+    t0 = time.perf_counter()
+    for start in range(0, len(work.prompts), batch_size):
+        prompts = work.prompts[start : start + batch_size]
+        new = max(work.output_lens[start : start + batch_size])
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        with torch.inference_mode():
+            hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                        do_sample=False, pad_token_id=pad)
+    return sum(work.output_lens) / (time.perf_counter() - t0)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="what", required=True)
+    st = sub.add_parser("step")
+    st.add_argument("--running", default="256,1024")
+    st.add_argument("--steps", type=int, default=200)
+    ll = sub.add_parser("llm")
+    ll.add_argument("--model", default="smollm2")
+    ll.add_argument("--requests", type=int, default=64)
+    ll.add_argument("--prompt-range", default="32,512")
+    ll.add_argument("--output-range", default="16,256")
+    ll.add_argument("--hf-batch-sizes", default="8,16,32,64")
+    args = parser.parse_args(argv)
+    if args.what == "step":
+        print(f"{'running':>8} {'step ms':>8} {'target ms':>9}")
+        for n in (int(x) for x in args.running.split(",")):
+            print(f"{n:>8} {bench_step(n, args.steps) * 1e3:>8.3f} {'1.000' if n == 256 else '-':>9}", flush=True)
+        return
+    from transformers import AutoTokenizer
+
+    from pagoda.model_fetch import resolve_model
+
+    model_dir = str(resolve_model(args.model))
+    pr = tuple(int(x) for x in args.prompt_range.split(","))
+    orange = tuple(int(x) for x in args.output_range.split(","))
+    work = make_workload(AutoTokenizer.from_pretrained(model_dir), args.requests, pr, orange)  # type: ignore[arg-type]
+    print(f"{args.requests} requests, prompts {pr}, outputs {orange}, {sum(work.output_lens)} output tokens")
+    ours = bench_llm(model_dir, work)
+    print(f"pagoda LLM: {ours:.1f} output tok/s", flush=True)
+    best = 0.0
+    for bs in (int(x) for x in args.hf_batch_sizes.split(",")):
+        hf = bench_hf_static(model_dir, work, bs)
+        best = max(best, hf)
+        print(f"HF generate, static batch {bs}: {hf:.1f} output tok/s", flush=True)
+    print(f"pagoda / HF best static batching: {ours / best:.2f}x (target >= 3x)")
+
+
+if __name__ == "__main__":
+    main()
