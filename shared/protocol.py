@@ -127,6 +127,7 @@ class AddRequest:
 @dataclass
 class AbortRequest:
     request_ids: list[str]
+    index: int | None = None  # only this sample of each request (a stop string hit it)
 
 
 @dataclass
@@ -175,3 +176,46 @@ class WorkerReady:
     max_model_len: int
     vocab_size: int
     eos_token_ids: list[int]
+
+
+# -- client <-> frontend (the native ZMQ API of pagoda.client) -------------------------------
+# A client connects a DEALER to a frontend's ROUTER; request ids are scoped per client
+# connection. The frontend tokenizes, applies the chat template and detokenizes.
+
+
+@dataclass
+class ChatMessage:
+    role: str
+    content: str
+
+
+@dataclass
+class GenerateRequest:
+    """Exactly one of prompt, prompt_token_ids, messages is set."""
+
+    request_id: str
+    sampling_params: SamplingParams
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[ChatMessage] | None = None  # rendered through the model's chat template
+    stream: bool = True  # deltas as they come; else one GenerateOutput per sample at the end
+    add_generation_prompt: bool = True
+
+    def __repr__(self) -> str:
+        return f"GenerateRequest(id={self.request_id!r}, stream={self.stream})"
+
+
+@dataclass
+class GenerateOutput:
+    """New text of one sample (streaming), or all of it (not streaming)."""
+
+    request_id: str
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop", "length", "abort"
+    stop_reason: str | None = None  # the stop string, or the stop token id as text
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0  # of this sample, so far
+    num_cached_tokens: int = 0
