@@ -41,6 +41,8 @@ import msgpack
 from shared.protocol import (
     AbortRequest,
     AddRequest,
+    GenerateOutput,
+    GenerateRequest,
     NewRequest,
     RequestError,
     RequestOutput,
@@ -68,6 +70,8 @@ KINDS: dict[int, type] = {
     5: StepBatch,
     6: StepResult,
     7: WorkerReady,
+    8: GenerateRequest,  # client -> frontend (ChatMessage is nested, needs no kind)
+    9: GenerateOutput,  # frontend -> client
 }
 KIND_OF: dict[type, int] = {cls: kind for kind, cls in KINDS.items()}
 
