@@ -13,7 +13,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
 
-import torch
 from tqdm import tqdm
 
 from pagoda.engine import EngineConfig, EngineCore
@@ -28,8 +27,6 @@ __all__ = ["LLM", "SamplingParams"]
 
 Prompt = Union[str, list[int]]
 Message = dict[str, Any]
-
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -57,12 +54,10 @@ class LLM:
         kv_cache_bytes: int | None = None,
         num_kv_blocks: int | None = None,
         max_model_len: int | None = None,
-        dtype: str = "float32",
-        device: str = "cpu",
+        dtype: str = "auto",
+        device: str = "auto",
         strict_invariants: bool = False,
     ) -> None:
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         self.model_dir = resolve_model(model)
         self.engine = EngineCore(
             self.model_dir,
@@ -70,7 +65,7 @@ class LLM:
                 block_size=block_size, max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens,
                 enable_prefix_caching=enable_prefix_caching, kv_cache_bytes=kv_cache_bytes,
-                num_kv_blocks=num_kv_blocks, max_model_len=max_model_len, dtype=_DTYPES[dtype],
+                num_kv_blocks=num_kv_blocks, max_model_len=max_model_len, dtype=dtype,
                 device=device, strict_invariants=strict_invariants,
             ),
         )

@@ -1,0 +1,89 @@
+"""Builds a worker's ModelRunner from settings: device, dtype, model, KV pool size.
+
+Both the worker process (``services/worker/main.py``) and the in-process offline
+engine (``pagoda/engine.py``) start here, so the two size the KV pool and resolve
+``max_model_len`` the same way; the result is what the worker reports to the
+scheduler in its ``WorkerReady`` handshake.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from services.worker.attention import get_attention_backend
+from services.worker.loader import load_model
+from services.worker.model_config import ModelConfig
+from services.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
+
+DEFAULT_KV_CACHE_BYTES = 2 * 1024**3  # CPU default; on CUDA the pool takes free memory
+CUDA_MEMORY_UTILISATION = 0.85  # of the memory free after the weights
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class RunnerSpec:
+    block_size: int = 16
+    kv_cache_bytes: int | None = None
+    num_kv_blocks: int | None = None
+    max_model_len: int | None = None
+    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU (no native bf16 there)
+    device: str = "auto"  # auto: cuda if available, else cpu
+
+
+@dataclass
+class BuiltRunner:
+    runner: ModelRunner
+    model_config: ModelConfig
+    max_model_len: int
+    num_blocks: int
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def build_runner(model_dir: Path, spec: RunnerSpec) -> BuiltRunner:
+    device = resolve_device(spec.device)
+    dtype = resolve_dtype(spec.dtype, device)
+    model = load_model(model_dir, dtype, device, max_position=None)
+    max_pos = model.config.max_position_embeddings
+    max_model_len = spec.max_model_len or max_pos
+    if max_model_len > max_pos:
+        raise ValueError(
+            f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {max_pos}"
+        )
+    num_blocks = _num_blocks(model, spec, dtype, device)
+    runner = ModelRunner(model, get_attention_backend(device), num_blocks, spec.block_size, dtype, device)
+    return BuiltRunner(runner, model.config, max_model_len, num_blocks)
+
+
+def _num_blocks(model, spec: RunnerSpec, dtype: torch.dtype, device: torch.device) -> int:  # type: ignore[no-untyped-def]
+    if spec.num_kv_blocks is not None:
+        if spec.num_kv_blocks < 2:
+            raise ValueError(f"num_kv_blocks must be >= 2, got {spec.num_kv_blocks}")
+        return spec.num_kv_blocks
+    per_block = kv_cache_bytes_per_block(model, spec.block_size, dtype)
+    budget = spec.kv_cache_bytes
+    if budget is None:
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            budget = int(free * CUDA_MEMORY_UTILISATION)
+        else:
+            budget = DEFAULT_KV_CACHE_BYTES
+    num_blocks = budget // per_block
+    if num_blocks < 2:
+        raise ValueError(f"kv_cache_bytes {budget} holds fewer than 2 blocks of {per_block} bytes")
+    return int(num_blocks)
