@@ -1,8 +1,15 @@
-"""Chooses the attention backend for a device; PAGODA_ATTENTION_BACKEND overrides."""
+"""Chooses the attention backend for a device; PAGODA_ATTENTION_BACKEND overrides.
+
+Triton on CUDA when the triton package is installed, torch otherwise. The Triton
+backend module is imported only when chosen: importing it decorates the kernels,
+which fixes whether they run compiled or in the interpreter (TRITON_INTERPRET).
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -10,12 +17,28 @@ from services.worker.attention.base import AttentionBackend
 from services.worker.attention.torch_backend import TorchAttentionBackend
 
 ENV_VAR = "PAGODA_ATTENTION_BACKEND"
-_BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchAttentionBackend}
+
+
+def _triton_backend() -> AttentionBackend:
+    from services.worker.attention.triton_backend import TritonAttentionBackend
+
+    return TritonAttentionBackend()
+
+
+_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {
+    "torch": TorchAttentionBackend,
+    "triton": _triton_backend,
+}
+
+
+def default_backend_name(device: torch.device) -> str:
+    has_triton = importlib.util.find_spec("triton") is not None
+    return "triton" if device.type == "cuda" and has_triton else "torch"
 
 
 def get_attention_backend(device: torch.device, override: str | None = None) -> AttentionBackend:
-    """torch on the CPU; the Triton backend on CUDA once it exists (kernels issue)."""
-    name = override or os.environ.get(ENV_VAR) or "torch"
+    """torch on the CPU, Triton on CUDA; ``override`` or the env variable wins."""
+    name = override or os.environ.get(ENV_VAR) or default_backend_name(device)
     if name not in _BACKENDS:
         raise ValueError(
             f"unknown attention backend {name!r} (from {ENV_VAR} or config); "

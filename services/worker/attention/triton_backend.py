@@ -1,0 +1,63 @@
+"""The Triton attention backend: the CUDA path (and the CPU under TRITON_INTERPRET=1).
+
+Per layer and step: the cache-write kernel stores the new K/V in their slots, the
+split-K decode kernel serves the ``num_decodes`` leading sequences, and the varlen
+prefill kernel serves the rest (fresh prompts, chunks and prefix hits alike, all
+read through the block table). Kernel tile sizes are fixed at construction.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.cache_write import write_kv_cache
+from kernels.paged_decode import DEFAULT_MIN_TOKENS_PER_SPLIT, paged_decode_attention
+from kernels.prefill import paged_prefill_attention
+from kernels.triton_utils import HAS_TRITON
+from services.worker.attention.base import AttentionBackend, AttentionMetadata
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "triton"
+
+    def __init__(
+        self,
+        min_tokens_per_split: int = DEFAULT_MIN_TOKENS_PER_SPLIT,
+        decode_tile_n: int = 64,
+        prefill_block_m: int = 64,
+        prefill_tile_n: int = 64,
+    ) -> None:
+        if not HAS_TRITON:
+            raise RuntimeError("the triton attention backend needs the triton package")
+        self.min_tokens_per_split = min_tokens_per_split
+        self.decode_tile_n = decode_tile_n
+        self.prefill_block_m = prefill_block_m
+        self.prefill_tile_n = prefill_tile_n
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        write_kv_cache(key, value, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(query)
+        nd = meta.num_decodes
+        if nd:
+            paged_decode_attention(
+                query[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
+                max(meta.seq_lens_host[:nd]), scale, out=out[:nd],
+                min_tokens_per_split=self.min_tokens_per_split, tile_n=self.decode_tile_n,
+            )
+        if nd < meta.num_seqs:
+            # the prefills' query_start_loc values index query/out directly
+            paged_prefill_attention(
+                query, k_cache, v_cache, meta.query_start_loc[nd:], meta.seq_lens[nd:],
+                meta.block_tables[nd:], meta.max_query_len, scale, out=out,
+                block_m=self.prefill_block_m, tile_n=self.prefill_tile_n,
+            )
+        return out
