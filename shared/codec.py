@@ -52,7 +52,7 @@ from shared.protocol import (
     TokenLogprobs,
     WorkerReady,
 )
-from shared.sampling_params import SamplingParams, SamplingParamsError
+from shared.sampling_params import SamplingParams
 
 WIRE_VERSION = 1
 
@@ -179,14 +179,45 @@ def _optional_decoder(inner: Decoder) -> Decoder:
     return dec
 
 
-def _list_decoder(where: str, inner: Decoder) -> Decoder:
+def _list_decoder(where: str, inner: Decoder, optional: bool) -> Decoder:
     def dec(v: Any) -> list[Any]:
         if type(v) is not list:
             raise DecodeError("type", f"{where}: expected array, got {_short(v)}")
         try:
-            return [inner(x) for x in v]
+            if optional:
+                return [None if x is None else inner(x) for x in v]
+            return list(map(inner, v))
         except DecodeError as e:
             raise DecodeError(e.reason, f"{where}[]: {e}") from None
+
+    return dec
+
+
+def _str_list_decoder(where: str) -> Decoder:
+    def dec(v: Any) -> list[str]:
+        if type(v) is not list:
+            raise DecodeError("type", f"{where}: expected array, got {_short(v)}")
+        if v and set(map(type, v)) != {str}:  # the type test runs in C, not per element
+            raise DecodeError("type", f"{where}: expected an array of str")
+        return v
+
+    return dec
+
+
+def _float_list_decoder(where: str, allow_neg_inf: bool) -> Decoder:
+    def dec(v: Any) -> list[float]:
+        if type(v) is not list:
+            raise DecodeError("type", f"{where}: expected array, got {_short(v)}")
+        if not v:
+            return v
+        if set(map(type, v)) != {float}:
+            raise DecodeError("type", f"{where}: expected an array of float")
+        # a finite sum means every element is finite; otherwise look at each one
+        if not math.isfinite(sum(v)):
+            for x in v:
+                if not math.isfinite(x) and not (allow_neg_inf and x == -math.inf):
+                    raise DecodeError("range", f"{where}: must be finite, got {x}")
+        return v
 
     return dec
 
@@ -196,6 +227,8 @@ def _list_decoder(where: str, inner: Decoder) -> Decoder:
 
 def pack_int32(values: Sequence[int]) -> bytes:
     """Non-negative ints -> little-endian int32 bytes; EncodeError when one does not fit."""
+    if not values:
+        return b""  # most running requests gain no block in a step
     try:
         arr = array("i", values)
     except (TypeError, OverflowError) as e:
@@ -212,6 +245,8 @@ def _packed_int32_decoder(where: str) -> Decoder:
     def dec(v: Any) -> list[int]:
         if type(v) is not bytes:
             raise DecodeError("type", f"{where}: expected packed int32 bytes, got {_short(v)}")
+        if not v:
+            return []
         if len(v) % 4:
             raise DecodeError("packed_length", f"{where}: {len(v)} bytes is not a multiple of 4")
         # the top byte of each little-endian int32 holds the sign bit
@@ -227,7 +262,7 @@ def _packed_int32_decoder(where: str) -> Decoder:
 
 
 def _encode_floats(values: Sequence[float]) -> list[float]:
-    return [float(x) for x in values]
+    return list(map(float, values))
 
 
 # -- per-type plans ------------------------------------------------------------------------
@@ -249,46 +284,62 @@ class _Plan:
             for f in fields
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         )
-        self.decoders: tuple[Decoder, ...] = tuple(
-            _field_decoder(cls, f.name, hints[f.name], plans) for f in fields
+        decoders = tuple(_field_decoder(cls, f.name, hints[f.name], plans) for f in fields)
+        # str and bool fields need only a type test, done inline instead of a call
+        fast_types = tuple(
+            hints[f.name] if hints[f.name] in (str, bool) else _NoFastPath for f in fields
         )
         # (index, encoder) only for fields that need converting; the rest go as they are
-        self.converters: tuple[tuple[int, Encoder], ...] = tuple(
+        converters = tuple(
             (i, enc)
             for i, f in enumerate(fields)
             if (enc := _field_encoder(cls, f.name, hints[f.name], plans)) is not None
         )
-        self.self_validating = cls in _SELF_VALIDATING
-        self.check = _CHECKS.get(cls)
+        self.encode = self._make_encoder(converters)
+        self.decode = self._make_decoder(decoders, fast_types, _CHECKS.get(cls))
 
-    def encode(self, obj: Any) -> list[Any]:
-        if type(obj) is not self.cls:
-            raise EncodeError(f"expected {self.name}, got {type(obj).__name__}")
-        d = obj.__dict__
-        values = [d[n] for n in self.names]
-        for i, enc in self.converters:
-            values[i] = enc(values[i])
-        return values
+    def _make_encoder(self, converters: tuple[tuple[int, Encoder], ...]) -> Encoder:
+        cls, name, names = self.cls, self.name, self.names
 
-    def decode(self, v: Any) -> Any:
-        if type(v) is not list:
-            raise DecodeError("type", f"{self.name}: expected array, got {_short(v)}")
-        n = len(v)
-        if n < self.min_arity or n > self.max_arity:
-            raise DecodeError(
-                "arity",
-                f"{self.name}: {n} fields, expected {self.min_arity}..{self.max_arity}",
-            )
-        args = [dec(x) for dec, x in zip(self.decoders, v)]
-        try:
-            obj = self.cls(*args)
-        except SamplingParamsError as e:
-            raise DecodeError("value", f"{self.name}: {e}") from None
-        except (TypeError, ValueError) as e:
-            raise DecodeError("value", f"{self.name}: {e}") from None
-        if self.check is not None:
-            self.check(obj)
-        return obj
+        def encode(obj: Any) -> list[Any]:
+            if type(obj) is not cls:
+                raise EncodeError(f"expected {name}, got {type(obj).__name__}")
+            d = obj.__dict__
+            values = [d[n] for n in names]
+            for i, enc in converters:
+                values[i] = enc(values[i])
+            return values
+
+        return encode
+
+    def _make_decoder(
+        self,
+        decoders: tuple[Decoder, ...],
+        fast_types: tuple[type, ...],
+        check: Callable[[Any], None] | None,
+    ) -> Decoder:
+        # closures over locals: the hot path does no attribute lookups on the plan
+        cls, name, lo, hi = self.cls, self.name, self.min_arity, self.max_arity
+
+        def decode(v: Any) -> Any:
+            if type(v) is not list:
+                raise DecodeError("type", f"{name}: expected array, got {_short(v)}")
+            if not lo <= len(v) <= hi:
+                raise DecodeError("arity", f"{name}: {len(v)} fields, expected {lo}..{hi}")
+            args = [x if type(x) is t else d(x) for x, t, d in zip(v, fast_types, decoders)]
+            try:
+                obj = cls(*args)
+            except (TypeError, ValueError) as e:  # SamplingParamsError is a ValueError
+                raise DecodeError("value", f"{name}: {e}") from None
+            if check is not None:
+                check(obj)
+            return obj
+
+        return decode
+
+
+class _NoFastPath:
+    """A type no wire value has: fields marked with it always go through their decoder."""
 
 
 def _plan(cls: type, plans: dict[type, _Plan]) -> _Plan:
@@ -329,8 +380,11 @@ def _value_decoder(
         if item is int:
             return _packed_int32_decoder(where)
         item, optional = _split_optional(item)
-        dec = _value_decoder(owner, name, where, item, plans)
-        return _list_decoder(where, _optional_decoder(dec) if optional else dec)
+        if item is str and not optional:
+            return _str_list_decoder(where)
+        if item is float and not optional:
+            return _float_list_decoder(where, (owner, name) in _LOGPROB_FIELDS)
+        return _list_decoder(where, _value_decoder(owner, name, where, item, plans), optional)
     raise TypeError(f"{where}: no wire encoding for {tp}")
 
 
@@ -353,7 +407,7 @@ def _field_encoder(owner: type, name: str, tp: Any, plans: dict[type, _Plan]) ->
             if item_optional:
                 enc = lambda xs: [None if x is None else item_enc(x) for x in xs]  # noqa: E731
             else:
-                enc = lambda xs: [item_enc(x) for x in xs]  # noqa: E731
+                enc = lambda xs: list(map(item_enc, xs))  # noqa: E731
         else:
             enc = None  # list[str]: msgpack packs it as it is
     else:

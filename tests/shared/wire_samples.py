@@ -7,6 +7,9 @@ import math
 from shared.protocol import (
     AbortRequest,
     AddRequest,
+    ChatMessage,
+    GenerateOutput,
+    GenerateRequest,
     NewRequest,
     RequestError,
     RequestOutput,
@@ -59,6 +62,7 @@ def samples() -> list[object]:
         AddRequest("max-id", [INT32_MAX, 0], SamplingParams(temperature=2), 1.0),
         AbortRequest([]),
         AbortRequest(["a", "б", ""]),
+        AbortRequest(["a"], index=3),
         RequestOutputs([]),
         RequestOutputs([
             RequestOutput("r", 0, [5, 6], [logprobs(), None]),
@@ -73,6 +77,14 @@ def samples() -> list[object]:
         StepResult(4, ["a"], [11]),  # logprobs omitted entirely
         WorkerReady(rank=0, num_kv_blocks=4096, block_size=16, max_model_len=8192,
                     vocab_size=49152, eos_token_ids=[0, 2]),
+        GenerateRequest("c-1", SamplingParams(), prompt="你好 👋"),
+        GenerateRequest("c-2", sampling(), prompt_token_ids=[], stream=False),
+        GenerateRequest("c-3", SamplingParams(logprobs=0), messages=[
+            ChatMessage("system", ""), ChatMessage("user", "emoji 🦀 and 中文")],
+            add_generation_prompt=False),
+        GenerateOutput("c-1", 0, "", []),
+        GenerateOutput("c-1", 1, "👋 终", [9, INT32_MAX], [logprobs(), None], "stop", "终",
+                       4, 2, 1),
         WorkerReady(rank=3, num_kv_blocks=2, block_size=1, max_model_len=1, vocab_size=1,
                     eos_token_ids=[]),
     ]
