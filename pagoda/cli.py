@@ -1,4 +1,9 @@
-"""The `pagoda` command line: one subcommand per job (fetch, generate, chat)."""
+"""The `pagoda` command line: one subcommand per job.
+
+``serve`` runs the whole stack locally; ``scheduler``, ``worker`` and ``frontend``
+run one role alone (what each container of compose.yaml runs); ``fetch``,
+``generate`` and ``chat`` are offline conveniences.
+"""
 
 from __future__ import annotations
 
@@ -20,6 +25,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagoda", description="LLM inference-serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
+    for role, text in (("serve", "run the whole stack locally (pagoda serve --help)"),
+                       ("scheduler", "run the scheduler alone"), ("worker", "run one worker rank"),
+                       ("frontend", "run one tokenizer frontend")):
+        sub.add_parser(role, help=text, add_help=False)
     fetch = sub.add_parser("fetch", help="fetch a model alias into the cache, print its directory")
     fetch.add_argument("name", nargs="?", default="smollm2")
     fetch.add_argument("--cache-dir", default=None)
@@ -61,7 +70,22 @@ def _chat(args: argparse.Namespace) -> int:
     return 0
 
 
+# role subcommands hand their arguments to the role's own parser
+_ROLES = {
+    "serve": ("pagoda.launcher", "serve"),
+    "scheduler": ("services.scheduler.main", "main"),
+    "worker": ("services.worker.main", "main"),
+    "frontend": ("services.tokenizer.main", "main"),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in _ROLES:
+        import importlib
+
+        module, func = _ROLES[argv[0]]
+        return int(getattr(importlib.import_module(module), func)(argv[1:]) or 0)
     args = _build_parser().parse_args(argv)
     if args.command == "fetch":
         from pagoda.model_fetch import fetch_main

@@ -1,0 +1,160 @@
+"""``pagoda serve``: the whole stack on one machine, as child processes.
+
+Starts the worker rank(s), the scheduler and N frontends, each the same command a
+container runs (``python -m services.<role>.main``), with every setting passed as
+``PAGODA_*`` environment variables (one resolution for all children). The default
+endpoints are ``ipc://`` files in a private 0700 run directory. Each child reports
+ready through an inherited pipe; the launcher prints where to reach the stack.
+
+Supervision: a child that exits takes the whole stack down (exit 1). SIGTERM or
+SIGINT stops the frontends first (they abort what they hold), then the scheduler,
+then the workers, each with a bounded wait before SIGKILL; the run directory goes
+with them, so no process or socket file is left behind. Children also get SIGTERM
+from the kernel if the launcher itself dies (``PR_SET_PDEATHSIG``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from shared.config import SETTINGS, Endpoints, PagodaConfig, add_arguments, load_config
+from shared.ipc import ReadyError, private_run_dir, wait_ready
+
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen[bytes]
+    ready_fd: int
+
+
+def config_env(config: PagodaConfig) -> dict[str, str]:
+    """Every resolved setting as the PAGODA_* variable a child reads back."""
+    values: dict[str, object] = {}
+    for group in (config.endpoints, config.engine, config.process):
+        values.update({f.name: getattr(group, f.name) for f in fields(group)})
+    env = {}
+    for s in SETTINGS:
+        value = values[s.key]
+        if value is None:
+            text = "none"
+        elif isinstance(value, bool):
+            text = "1" if value else "0"
+        elif isinstance(value, tuple):
+            text = ",".join(value)
+        else:
+            text = str(value)
+        env[s.env] = text
+    return env
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:  # not Linux: the launcher's own teardown still applies
+        pass
+
+
+def start_child(name: str, module: str, args: list[str], env: dict[str, str]) -> Child:
+    read_fd, write_fd = os.pipe()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", module, "--ready-fd", str(write_fd), *args],
+        env={**os.environ, **env}, pass_fds=(write_fd,), preexec_fn=_die_with_parent,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    os.close(write_fd)
+    return Child(name, proc, read_fd)
+
+
+class Stack:
+    """The children of one ``pagoda serve``, in start order."""
+
+    def __init__(self, config: PagodaConfig) -> None:
+        self.config = config
+        self.children: list[Child] = []
+
+    def start(self) -> None:
+        env = config_env(self.config)
+        for rank in range(self.config.engine.tensor_parallel_size):
+            self.children.append(start_child(f"worker-{rank}", "services.worker.main", ["--rank", str(rank)], env))
+        self.children.append(start_child("scheduler", "services.scheduler.main", [], env))
+        for i in range(self.config.process.num_frontends):
+            self.children.append(start_child(
+                f"frontend-{i}", "services.tokenizer.main", ["--frontend-index", str(i)], env))
+        timeout = self.config.process.startup_timeout_s
+        for child in self.children:
+            try:
+                wait_ready(child.ready_fd, timeout, is_alive=lambda c=child: c.proc.poll() is None)
+            except ReadyError as e:
+                raise ReadyError(f"{child.name}: {e}") from None
+
+    def first_exited(self) -> Child | None:
+        return next((c for c in self.children if c.proc.poll() is not None), None)
+
+    def stop(self) -> None:
+        """Frontends first, then the scheduler, then the workers."""
+        grace = self.config.process.shutdown_timeout_s
+        for group in (
+            [c for c in self.children if c.name.startswith("frontend")],
+            [c for c in self.children if c.name == "scheduler"],
+            [c for c in self.children if c.name.startswith("worker")],
+        ):
+            for c in group:
+                if c.proc.poll() is None:
+                    c.proc.send_signal(signal.SIGTERM)
+            for c in group:
+                try:
+                    c.proc.wait(timeout=grace)
+                except subprocess.TimeoutExpired:
+                    c.proc.kill()
+                    c.proc.wait()
+
+
+def serve(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pagoda serve", description="run the whole stack locally")
+    parser.add_argument("--frontends", type=int, dest="num_frontends", default=None,
+                        help="frontend processes (same as --num-frontends)")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    from pagoda.model_fetch import resolve_model
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    with private_run_dir() as run_dir:
+        probe = load_config(args, default_endpoints=Endpoints.local(run_dir))
+        config = load_config(args, default_endpoints=Endpoints.local(run_dir, probe.process.num_frontends))
+        # fetch once here, so the children find the model in the cache
+        model_dir = resolve_model(config.engine.model)
+        config = load_config({**vars(args), "model": str(model_dir)},
+                             default_endpoints=config.endpoints)
+        stack = Stack(config)
+        try:
+            stack.start()
+        except ReadyError as e:
+            print(f"pagoda serve: {e}", file=sys.stderr)
+            stack.stop()
+            return 1
+        print(f"pagoda serve: ready, model {model_dir}", flush=True)
+        for i, address in enumerate(config.endpoints.frontend_native):
+            print(f"  frontend {i} native API: {address}", flush=True)
+        exit_code = 0
+        while not stop.wait(0.2):
+            dead = stack.first_exited()
+            if dead is not None:
+                print(f"pagoda serve: {dead.name} exited with {dead.proc.returncode}; stopping",
+                      file=sys.stderr, flush=True)
+                exit_code = 1
+                break
+        stack.stop()
+    return exit_code

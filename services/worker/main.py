@@ -1,0 +1,97 @@
+"""The worker process: holds the model and the KV cache and executes the scheduler's steps.
+
+    python -m services.worker.main [--rank N] [flags / PAGODA_* env, see shared/config.py]
+
+Start-up: build the model runner, connect a SUB to the scheduler's step XPUB and a
+PUSH to its result PULL, send ``WorkerReady`` (the KV capacity handshake), then loop:
+every rank receives every ``StepBatch`` and executes it; rank 0 sends the
+``StepResult`` back. A malformed frame is dropped and counted. An exception inside a
+step is fatal (the KV cache may be half-written): the process exits non-zero and the
+scheduler and the launcher take the stack down loudly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+import torch
+import zmq
+
+from pagoda.model_fetch import resolve_model
+from services.worker.runner_builder import RunnerSpec, build_runner
+from shared.codec import MalformedFrameCounter, encode, safe_decode
+from shared.config import PagodaConfig, add_arguments, load_config
+from shared.ipc import make_socket, report_ready
+from shared.protocol import StepBatch, WorkerReady
+
+log = logging.getLogger("pagoda.worker")
+POLL_MS = 200  # how often the loop looks at the stop flag while idle
+
+
+def run_worker(config: PagodaConfig, rank: int, ready_fd: int | None = None,
+               stop: threading.Event | None = None) -> int:
+    engine, endpoints = config.engine, config.endpoints
+    stop = stop or threading.Event()
+    model_dir = resolve_model(engine.model, progress=False)
+    built = build_runner(model_dir, RunnerSpec(
+        block_size=engine.block_size, kv_cache_bytes=engine.kv_cache_bytes,
+        num_kv_blocks=engine.num_kv_blocks, max_model_len=engine.max_model_len,
+        dtype=engine.dtype, device=engine.device,
+    ))
+    runner = built.runner
+    counter = MalformedFrameCounter(log)
+    ctx: zmq.Context[Any] = zmq.Context()
+    hwm = config.process.socket_hwm
+    steps = make_socket(ctx, zmq.SUB, endpoints.scheduler_step, sndhwm=hwm, rcvhwm=hwm)
+    results = make_socket(ctx, zmq.PUSH, endpoints.scheduler_result, sndhwm=hwm, rcvhwm=hwm)
+    try:
+        results.send(encode(WorkerReady(
+            rank=rank, num_kv_blocks=built.num_blocks, block_size=engine.block_size,
+            max_model_len=built.max_model_len, vocab_size=built.model_config.vocab_size,
+            eos_token_ids=list(built.model_config.eos_token_ids),
+        )))
+        log.info("worker %d ready: %d KV blocks of %d tokens, max_model_len %d", rank,
+                 built.num_blocks, engine.block_size, built.max_model_len)
+        if ready_fd is not None:
+            report_ready(ready_fd, role="worker", rank=rank, num_kv_blocks=built.num_blocks)
+        while not stop.is_set():
+            if not steps.poll(POLL_MS, zmq.POLLIN):
+                continue
+            batch = safe_decode(steps.recv_multipart(copy=False), "worker_step", (StepBatch,), counter)
+            if batch is None:
+                continue
+            result = runner.execute(batch)
+            if rank == 0:
+                results.send(encode(result))
+    finally:
+        steps.close()
+        results.close()
+        ctx.term()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pagoda worker", description="run one worker rank")
+    parser.add_argument("--rank", type=int, default=int(os.environ.get("PAGODA_RANK", "0")))
+    parser.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    add_arguments(parser, groups=("endpoints", "engine", "process"))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
+    config = load_config(args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    return run_worker(config, args.rank, args.ready_fd, stop)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
