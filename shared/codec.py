@@ -76,7 +76,6 @@ KINDS: dict[int, type] = {
 KIND_OF: dict[type, int] = {cls: kind for kind, cls in KINDS.items()}
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
-_INT32_MAX = 2**31 - 1
 _BIG_ENDIAN = sys.byteorder == "big"
 # bytes < 0x80: deleting them from the sign bytes of packed int32s leaves only negatives
 _NON_NEGATIVE_SIGN_BYTES = bytes(range(0x80))
