@@ -26,6 +26,7 @@ class TritonAttentionBackend(AttentionBackend):
         decode_tile_n: int = 64,
         prefill_block_m: int = 64,
         prefill_tile_n: int = 64,
+        num_splits: int | None = None,  # force the decode split-K factor; None: heuristic
     ) -> None:
         if not HAS_TRITON:
             raise RuntimeError("the triton attention backend needs the triton package")
@@ -33,6 +34,7 @@ class TritonAttentionBackend(AttentionBackend):
         self.decode_tile_n = decode_tile_n
         self.prefill_block_m = prefill_block_m
         self.prefill_tile_n = prefill_tile_n
+        self.num_splits = num_splits
 
     def forward(
         self,
@@ -50,7 +52,7 @@ class TritonAttentionBackend(AttentionBackend):
         if nd:
             paged_decode_attention(
                 query[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
-                max(meta.seq_lens_host[:nd]), scale, out=out[:nd],
+                max(meta.seq_lens_host[:nd]), scale, out=out[:nd], num_splits=self.num_splits,
                 min_tokens_per_split=self.min_tokens_per_split, tile_n=self.decode_tile_n,
             )
         if nd < meta.num_seqs:
