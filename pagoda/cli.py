@@ -32,6 +32,9 @@ def _build_parser() -> argparse.ArgumentParser:
     fetch = sub.add_parser("fetch", help="fetch a model alias into the cache, print its directory")
     fetch.add_argument("name", nargs="?", default="smollm2")
     fetch.add_argument("--cache-dir", default=None)
+    health = sub.add_parser("health", help="exit 0 if a tcp:// endpoint accepts connections")
+    health.add_argument("address", help="tcp://host:port")
+    health.add_argument("--timeout", type=float, default=3.0)
     gen = sub.add_parser("generate", help="generate completions for prompts, offline")
     gen.add_argument("prompts", nargs="+")
     _add_engine_args(gen)
@@ -70,6 +73,19 @@ def _chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def _health(address: str, timeout: float) -> int:
+    """A container health probe: can we open a TCP connection to the bound socket?"""
+    import socket
+
+    host, _, port = address.removeprefix("tcp://").rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout).close()
+    except (OSError, ValueError) as e:
+        print(f"pagoda health: {address}: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 # role subcommands hand their arguments to the role's own parser
 _ROLES = {
     "serve": ("pagoda.launcher", "serve"),
@@ -91,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         from pagoda.model_fetch import fetch_main
 
         return fetch_main([args.name] + (["--cache-dir", args.cache_dir] if args.cache_dir else []))
+    if args.command == "health":
+        return _health(args.address, args.timeout)
     from shared.sampling_params import SamplingParamsError
 
     try:
