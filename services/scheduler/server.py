@@ -67,6 +67,7 @@ class SchedulerServer:
         self.results = make_socket(self.ctx, zmq.PULL, ep.scheduler_result, **opts)  # type: ignore[arg-type]
         self.scheduler: Scheduler | None = None
         self.num_workers = config.engine.tensor_parallel_size
+        self._subscribers = 0  # live step subscriptions (one per worker rank)
 
     # -- start-up --------------------------------------------------------------------
     def wait_for_workers(self, timeout_s: float) -> Scheduler:
@@ -83,6 +84,7 @@ class SchedulerServer:
                 if msg is not None:
                     ready[msg.rank] = msg
         subscribed = wait_for_subscribers(self.steps, self.num_workers, max(0.1, deadline - time.monotonic()))
+        self._subscribers = subscribed
         if subscribed < self.num_workers:
             raise EngineDeadError(f"{subscribed} of {self.num_workers} workers subscribed to steps")
         engine = self.config.engine
@@ -153,10 +155,19 @@ class SchedulerServer:
                     self.counter.record("scheduler_result", "stale_step", b"", f"step {msg.step_id}")
 
     def _watch_subscriptions(self) -> None:
+        # a worker's SUB subscribes to everything: exactly b"\x01" when it connects and
+        # b"\x00" when it goes away. Anything else is some other peer's noise (counted as
+        # a subscription to another topic, or ignored), and must not stop the engine.
         while self.steps.poll(0, zmq.POLLIN):
             event = self.steps.recv()
-            if event[:1] == b"\x00":  # a worker's SUB went away
-                raise EngineDeadError("a worker disconnected")
+            if event == b"\x01":
+                self._subscribers += 1
+            elif event == b"\x00":
+                self._subscribers -= 1
+                if self._subscribers < self.num_workers:
+                    raise EngineDeadError("a worker disconnected")
+            else:
+                self.counter.record("scheduler_step", "not_a_subscription", event[:16], "ignored")
 
     # -- frontends -------------------------------------------------------------------
     def _take_frontend_messages(self, block: bool) -> None:
