@@ -114,7 +114,9 @@ def paged_prefill_attention(
     if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
         raise ValueError("k_cache and v_cache must have the same shape and strides")
     if num_heads % num_kv_heads or head_dim != next_pow2(head_dim) or head_dim < 16:
-        raise ValueError(f"unsupported heads/head_dim: {tuple(query.shape)} vs {tuple(k_cache.shape)}")
+        raise ValueError(
+            f"unsupported heads/head_dim: {tuple(query.shape)} vs {tuple(k_cache.shape)}"
+        )
     if query.stride(2) != 1 or k_cache.stride(3) != 1 or block_tables.stride(1) != 1:
         raise ValueError("query, cache and block_tables must be contiguous in their last dim")
     if query_start_loc.shape[0] != num_seqs + 1 or block_tables.shape[0] < num_seqs:

@@ -24,12 +24,14 @@ def test_write_matches_reference_and_skips_padding(
     # key/value as views of a fused qkv row (token stride > heads * head_dim), like the model
     row = (2 + 2 * num_kv_heads) * head_dim
     qkv = torch.randn(num_tokens, row, generator=gen).to(dtype)
-    key = qkv[:, 2 * head_dim : (2 + num_kv_heads) * head_dim].view(num_tokens, num_kv_heads, head_dim)
-    value = qkv[:, (2 + num_kv_heads) * head_dim :].view(num_tokens, num_kv_heads, head_dim)
+    kv_shape = (num_tokens, num_kv_heads, head_dim)
+    key = qkv[:, 2 * head_dim : (2 + num_kv_heads) * head_dim].view(kv_shape)
+    value = qkv[:, (2 + num_kv_heads) * head_dim :].view(kv_shape)
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
     slots[[1, 5]] = -1  # padded tokens: never written
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_ref, v_ref = torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype)
+    k_ref = torch.randn(shape, generator=gen).to(dtype)
+    v_ref = torch.randn(shape, generator=gen).to(dtype)
     k_out, v_out = k_ref.clone().to(dev), v_ref.clone().to(dev)
 
     write_kv_cache(key.to(dev), value.to(dev), k_out, v_out, slots.to(dev))

@@ -10,7 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_cases import DTYPES, assert_close, block_tables_for, device, require_triton, skip_unless_runnable
+from kernel_cases import (
+    DTYPES, assert_close, block_tables_for, device, require_triton, skip_unless_runnable,
+)
 from services.worker.attention.base import AttentionMetadata
 from services.worker.attention.torch_backend import TorchAttentionBackend
 
@@ -65,7 +67,8 @@ def test_mixed_decode_and_prefill_step_matches_torch_backend(dtype: torch.dtype)
     key = torch.randn(t, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
     value = torch.randn(t, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
     shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    k_ref, v_ref = torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype)
+    k_ref = torch.randn(shape, generator=gen).to(dtype)
+    v_ref = torch.randn(shape, generator=gen).to(dtype)
     dev = device()
     k_dev, v_dev = k_ref.to(dev), v_ref.to(dev)  # copies: each backend writes its own
     scale = HEAD_DIM**-0.5

@@ -38,7 +38,8 @@ def _run_decode(
     )
     qsl = torch.arange(len(seq_lens) + 1, dtype=torch.int32)
     ref = reference.paged_attention(query.float(), k.float(), v.float(), qsl, lens, tables, scale)
-    assert_close(out, ref, dtype, f"decode lens={seq_lens} heads={num_heads}/{num_kv_heads} {kwargs}")
+    what = f"decode lens={seq_lens} heads={num_heads}/{num_kv_heads} {kwargs}"
+    assert_close(out, ref, dtype, what)
 
 
 @require_triton
@@ -84,7 +85,9 @@ def test_decode_heuristic_splits_long_context() -> None:
         (3, 8, 32768, 132, 8),  # ceil(264 / 24) = 11 rounds down to a power of two
     ],
 )
-def test_choose_num_splits(batch: int, kv_heads: int, max_len: int, sms: int, expected: int) -> None:
+def test_choose_num_splits(
+    batch: int, kv_heads: int, max_len: int, sms: int, expected: int
+) -> None:
     # pure Python behind the import guard: runs without Triton too
     from kernels.paged_decode import choose_num_splits
 

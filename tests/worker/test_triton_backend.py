@@ -44,7 +44,8 @@ def _greedy_run(
     model_dir: Path, backend: AttentionBackend
 ) -> tuple[dict[str, list[int]], list[dict[str, torch.Tensor]]]:
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    runner = ModelRunner(load_model(model_dir).to(dev), backend, num_blocks=24, block_size=16, device=dev)
+    model = load_model(model_dir).to(dev)
+    runner = ModelRunner(model, backend, num_blocks=24, block_size=16, device=dev)
     driver = PagedDriver(runner, seed=5)
     gen = torch.Generator().manual_seed(9)
     prompts = {"a": 16, "b": 17, "c": 5, "d": 40}  # on / one past a block boundary
