@@ -199,7 +199,9 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max())
 
 
-def _shapes(on_gpu: bool, max_tokens: int) -> tuple[list, list, list]:  # type: ignore[type-arg]
+def _shapes(
+    on_gpu: bool, max_tokens: int
+) -> tuple[list[tuple[int, int]], list[tuple[int, int, int]], list[int]]:
     """(decode (batch, ctx), prefill (batch, query_len, ctx), cache write tokens)."""
     if not on_gpu:  # interpreter smoke check: one split-K decode, one chunk over context
         return [(2, 40), (1, 1100)], [(2, 24, 0), (1, 8, 20)], [16]
