@@ -1,0 +1,184 @@
+"""The frontend's input side: model limits, the tokenizer, and request validation.
+
+A ``GenerateRequest`` from a client (or, later, an HTTP body turned into one) becomes
+the prompt token ids and resolved ``SamplingParams`` of an ``AddRequest`` here, or an
+``InvalidRequest`` naming what is wrong, so a bad request never reaches the scheduler
+(RELIABILITY.md: validate after defaults are resolved). Tokenization and chat templates
+follow ``pagoda/llm.py``: ``tokenizer(prompt)["input_ids"]``, and
+``apply_chat_template(..., tokenize=False)`` then that, so the service and the offline
+engine give a prompt the same tokens.
+
+Sampling parameters were already range-checked by the codec's typed decode (the
+``SamplingParams`` constructor validates); what needs the model (vocab, lengths) is
+checked here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shared.protocol import GenerateRequest
+from shared.sampling_params import SamplingParams
+
+MAX_REQUEST_ID_CHARS = 256
+
+
+class InvalidRequest(ValueError):
+    """A request the client got wrong; ``code`` goes into the ``RequestError``."""
+
+    def __init__(self, message: str, code: str = "invalid_request") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    max_model_len: int  # prompt + output tokens
+    vocab_size: int  # token ids must be below this
+
+
+@dataclass(frozen=True)
+class ProcessedRequest:
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams  # max_tokens resolved (never None)
+
+
+def load_limits(model_dir: Path, max_model_len: int | None = None) -> ModelLimits:
+    """The model's vocab size and context length from config.json.
+
+    A configured ``max_model_len`` wins but may not exceed ``max_position_embeddings``
+    (the worker refuses that too, so both sides agree on the same limit).
+    """
+    config = json.loads((model_dir / "config.json").read_text())
+    text = config.get("text_config") or {}  # multimodal configs nest the language model
+    vocab_size = config.get("vocab_size") or text.get("vocab_size")
+    max_pos = config.get("max_position_embeddings") or text.get("max_position_embeddings")
+    if not isinstance(vocab_size, int) or not isinstance(max_pos, int):
+        raise ValueError(f"{model_dir}/config.json lacks vocab_size or max_position_embeddings")
+    if max_model_len is None:
+        max_model_len = max_pos
+    elif not 1 < max_model_len <= max_pos:
+        raise ValueError(
+            f"max_model_len {max_model_len} must be in 2..{max_pos} "
+            "(the model's max_position_embeddings)"
+        )
+    return ModelLimits(max_model_len=max_model_len, vocab_size=vocab_size)
+
+
+def load_tokenizer(model_dir: Path) -> Any | None:
+    """The model's HF tokenizer, or None when the directory has no tokenizer files.
+
+    Directories that ``pagoda fetch`` writes name ``PreTrainedTokenizerFast``; loading
+    that class directly gives the same tokenizer as ``AutoTokenizer`` without importing
+    torch (seconds of start-up). Anything else goes through ``AutoTokenizer``.
+    """
+    if not any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    tc_path = model_dir / "tokenizer_config.json"
+    tc = json.loads(tc_path.read_text()) if tc_path.is_file() else {}
+    if tc.get("tokenizer_class") == "PreTrainedTokenizerFast":
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(model_dir)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+class InputProcessor:
+    """GenerateRequest -> ProcessedRequest, or InvalidRequest. No I/O, no state."""
+
+    def __init__(self, tokenizer: Any | None, limits: ModelLimits) -> None:
+        self.tokenizer = tokenizer
+        self.limits = limits
+
+    def process(self, req: GenerateRequest) -> ProcessedRequest:
+        if not req.request_id or len(req.request_id) > MAX_REQUEST_ID_CHARS:
+            raise InvalidRequest(f"request_id must be 1..{MAX_REQUEST_ID_CHARS} characters")
+        token_ids = self._prompt_token_ids(req)
+        params = self._resolve_params(req.sampling_params, len(token_ids))
+        return ProcessedRequest(token_ids, params)
+
+    def _prompt_token_ids(self, req: GenerateRequest) -> list[int]:
+        given = [name for name in ("prompt", "prompt_token_ids", "messages")
+                 if getattr(req, name) is not None]
+        if len(given) != 1:
+            raise InvalidRequest(
+                "exactly one of prompt, prompt_token_ids, messages must be given, "
+                f"got {', '.join(given) or 'none'}"
+            )
+        if req.prompt_token_ids is not None:
+            token_ids = req.prompt_token_ids
+            if not token_ids:
+                raise InvalidRequest("prompt_token_ids must not be empty")
+            self._check_vocab(token_ids, "prompt_token_ids")
+        elif req.prompt is not None:
+            if not req.prompt:
+                raise InvalidRequest("prompt must not be empty")
+            token_ids = self._tokenize(req.prompt)
+        else:
+            token_ids = self._tokenize(self._render_chat(req))
+        if not token_ids:
+            raise InvalidRequest("the prompt tokenizes to no tokens")
+        max_len = self.limits.max_model_len
+        if len(token_ids) >= max_len:
+            raise InvalidRequest(
+                f"the prompt has {len(token_ids)} tokens; it must be shorter than "
+                f"max_model_len {max_len} to leave room for output"
+            )
+        return token_ids
+
+    def _render_chat(self, req: GenerateRequest) -> str:
+        if not req.messages:
+            raise InvalidRequest("messages must not be empty")
+        tokenizer = self._require_tokenizer()
+        if not getattr(tokenizer, "chat_template", None):
+            raise InvalidRequest("the model has no chat template; send a prompt instead")
+        conversation = [{"role": m.role, "content": m.content} for m in req.messages]
+        try:
+            text = tokenizer.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=req.add_generation_prompt
+            )
+        except Exception as e:  # jinja raises TemplateError for e.g. a role it refuses
+            raise InvalidRequest(f"the chat template refused the messages: {e}"[:500]) from None
+        if not isinstance(text, str) or not text:
+            raise InvalidRequest("the chat template rendered no text")
+        return text
+
+    def _tokenize(self, text: str) -> list[int]:
+        ids = self._require_tokenizer()(text)["input_ids"]
+        return list(ids)
+
+    def _require_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            raise InvalidRequest("the model has no tokenizer; send prompt_token_ids")
+        return self.tokenizer
+
+    def _check_vocab(self, token_ids: list[int], name: str) -> None:
+        vocab = self.limits.vocab_size
+        for i, t in enumerate(token_ids):
+            if not 0 <= t < vocab:  # the codec already refused negatives; keep the check whole
+                raise InvalidRequest(f"{name}[{i}] = {t} is not in the vocabulary (0..{vocab - 1})")
+
+    def _resolve_params(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
+        self._check_vocab(params.stop_token_ids, "stop_token_ids")
+        room = self.limits.max_model_len - prompt_len
+        max_tokens = room if params.max_tokens is None else params.max_tokens
+        if max_tokens > room:
+            raise InvalidRequest(
+                f"the prompt has {prompt_len} tokens and max_tokens is {max_tokens}: "
+                f"together {prompt_len + max_tokens}, over max_model_len "
+                f"{self.limits.max_model_len}"
+            )
+        if params.min_tokens > max_tokens:
+            raise InvalidRequest(
+                f"min_tokens {params.min_tokens} exceeds max_tokens {max_tokens} "
+                f"(max_model_len {self.limits.max_model_len} - {prompt_len} prompt tokens)"
+            )
+        if params.max_tokens is None:
+            params = dataclasses.replace(params, max_tokens=max_tokens)
+        return params

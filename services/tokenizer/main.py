@@ -1,0 +1,182 @@
+"""The frontend process: tokenizer, detokenizer and client APIs in front of the scheduler.
+
+    python -m services.tokenizer.main [--frontend-index I] [flags / PAGODA_* env,
+                                      see shared/config.py]
+
+Any number of these run side by side; each binds its own native-API ROUTER at
+``frontend_native[I]`` and connects one DEALER to the scheduler, identified as
+``frontend-<I>-<host>-<pid>`` (the host keeps compose replicas, which share an index
+and may share a pid, apart). Start-up: load the tokenizer and the model's limits from
+the model directory, bind, report ready (a line on stdout, and through ``--ready-fd``
+for a parent). One asyncio loop (uvloop) runs every API of the process over one
+``FrontendCore``: today the native ZMQ API; the HTTP API (FastAPI, a later issue)
+plugs in as another ``FrontendApi`` on the same core and the same engine client.
+
+SIGTERM/SIGINT: stop accepting (new requests get ``overloaded``), let in-flight ones
+finish for up to ``--shutdown-timeout-s``, abort the rest at the scheduler (clients get
+finish_reason "abort"), close the sockets (removing ipc files) and exit 0. A second
+signal skips the drain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+from dataclasses import dataclass
+from typing import Protocol
+
+import zmq
+import zmq.asyncio
+
+from pagoda.model_fetch import resolve_model
+from services.tokenizer.engine_client import EngineClient
+from services.tokenizer.input_processor import InputProcessor, load_limits, load_tokenizer
+from services.tokenizer.native_api import NativeApi
+from shared.codec import MalformedFrameCounter
+from shared.config import ConfigError, PagodaConfig, add_arguments, load_config
+from shared.ipc import report_ready
+
+log = logging.getLogger("pagoda.frontend")
+DRAIN_POLL_S = 0.05  # how often the drain looks at the in-flight count
+
+
+class FrontendApi(Protocol):
+    """One client-facing API of a frontend process (native ZMQ now, HTTP later)."""
+
+    @property
+    def num_inflight(self) -> int: ...
+
+    async def serve(self) -> None: ...  # until cancelled
+
+    def stop_accepting(self) -> None: ...
+
+    async def abort_all(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+@dataclass
+class FrontendCore:
+    """What every API of the process shares: one tokenizer, one scheduler link."""
+
+    frontend_id: str
+    processor: InputProcessor
+    engine: EngineClient
+    counter: MalformedFrameCounter
+
+
+def make_frontend_id(index: int) -> str:
+    host = socket.gethostname()[:64] or "host"
+    return f"frontend-{index}-{host}-{os.getpid()}"
+
+
+def build_apis(core: FrontendCore, ctx: zmq.asyncio.Context, config: PagodaConfig) -> list[FrontendApi]:
+    """Every API this process serves; the HTTP API gets added here."""
+    proc = config.process
+    native = NativeApi(
+        ctx, config.endpoints.frontend_native[proc.frontend_index], core.engine, core.processor,
+        core.counter, hwm=proc.socket_hwm, allow_wildcard=proc.allow_wildcard_bind,
+    )
+    return [native]
+
+
+async def run_frontend(config: PagodaConfig, ready_fd: int | None = None) -> int:
+    proc = config.process
+    model_dir = resolve_model(config.engine.model, progress=False)
+    limits = load_limits(model_dir, config.engine.max_model_len)
+    processor = InputProcessor(load_tokenizer(model_dir), limits)
+    frontend_id = make_frontend_id(proc.frontend_index)
+    counter = MalformedFrameCounter(logging.getLogger("pagoda.frontend.wire"))
+    ctx = zmq.asyncio.Context()
+    engine = EngineClient(ctx, config.endpoints.scheduler_frontend, frontend_id, counter,
+                          hwm=proc.socket_hwm)
+    core = FrontendCore(frontend_id, processor, engine, counter)
+    apis: list[FrontendApi] = []
+    try:
+        apis = build_apis(core, ctx, config)
+        engine.start()
+        serving = [asyncio.create_task(api.serve(), name="api-serve") for api in apis]
+        native = config.endpoints.frontend_native[proc.frontend_index]
+        print(f"pagoda frontend {frontend_id} ready: native API at {native}, "
+              f"max_model_len {limits.max_model_len}", flush=True)
+        if ready_fd is not None:
+            report_ready(ready_fd, role="frontend", frontend_id=frontend_id, native=native)
+        return await _serve_until_signal(apis, serving, proc.shutdown_timeout_s)
+    finally:
+        for api in apis:
+            await api.close()
+        await engine.close()
+        ctx.term()  # waits for the linger of the last aborts and outputs
+        log.info("frontend %s stopped (dropped malformed frames: %s)", frontend_id,
+                 counter.snapshot() or "none")
+
+
+async def _serve_until_signal(
+    apis: list[FrontendApi], serving: list[asyncio.Task[None]], drain_s: float
+) -> int:
+    loop = asyncio.get_running_loop()
+    stop, force = asyncio.Event(), asyncio.Event()
+
+    def on_signal() -> None:
+        (force if stop.is_set() else stop).set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal)
+    stop_wait = asyncio.create_task(stop.wait())
+    done, _ = await asyncio.wait([stop_wait, *serving], return_when=asyncio.FIRST_COMPLETED)
+    rc = 0
+    if stop_wait not in done:  # an API loop ended by itself: a bug, fail loudly
+        stop_wait.cancel()
+        log.error("a frontend API loop ended unexpectedly: %s",
+                  [t.exception() for t in done if not t.cancelled()])
+        rc = 1
+    log.info("frontend stopping: draining %d request(s) for up to %.0fs",
+             sum(a.num_inflight for a in apis), drain_s)
+    for api in apis:
+        api.stop_accepting()
+    deadline = loop.time() + drain_s
+    while rc == 0 and any(a.num_inflight for a in apis) and not force.is_set():
+        if loop.time() >= deadline:
+            break
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(force.wait(), min(DRAIN_POLL_S, deadline - loop.time()))
+    for api in apis:
+        await api.abort_all()
+    for task in serving:
+        task.cancel()
+    await asyncio.gather(*serving, return_exceptions=True)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.remove_signal_handler(sig)
+    return rc
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pagoda frontend",
+                                     description="run one tokenizer frontend")
+    parser.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
+    add_arguments(parser, groups=("endpoints", "engine", "process"))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s frontend %(levelname)s %(name)s: %(message)s")
+    try:
+        config = load_config(args)
+    except ConfigError as e:
+        print(f"pagoda frontend: {e}", file=sys.stderr)
+        return 2
+    import uvloop
+
+    try:
+        return uvloop.run(run_frontend(config, args.ready_fd))
+    except (ValueError, OSError, zmq.ZMQError) as e:  # bad model dir / max_model_len, address in use
+        log.error("frontend failed to start: %s", e)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

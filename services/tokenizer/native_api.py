@@ -1,0 +1,230 @@
+"""The frontend's native API: a ROUTER that ``pagoda.client`` connects DEALERs to.
+
+Clients send ``GenerateRequest`` and ``AbortRequest`` (their own request ids, scoped
+per client connection: the key of a request is (client identity, client request id)).
+Per request: validate and tokenize (``InputProcessor``; a bad request gets a typed
+``RequestError`` and nothing reaches the scheduler), add it upstream through the
+``EngineClient``, then one task pumps its scheduler outputs through a ``RequestState``
+back to the client as ``GenerateOutput``s. A stop string ends a sample here and aborts
+that sample upstream.
+
+Sends never wait on a client: they use NOBLOCK on a ROUTER_MANDATORY socket, so a
+client that vanished (EHOSTUNREACH) or stopped reading until its pipe filled (EAGAIN)
+fails the send at once; every request of that client is then aborted at the scheduler.
+A vanished client is noticed at the first output sent to it after it left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from services.tokenizer.engine_client import EngineClient, EngineRequest
+from services.tokenizer.input_processor import InputProcessor, InvalidRequest
+from services.tokenizer.request_state import RequestState
+from shared.codec import MalformedFrameCounter, encode, safe_decode
+from shared.ipc import make_socket
+from shared.protocol import AbortRequest, GenerateOutput, GenerateRequest, RequestError
+
+log = logging.getLogger("pagoda.frontend.native")
+SOCKET_NAME = "frontend_native"
+
+ClientKey = tuple[bytes, str]  # (client identity, client request id)
+
+
+@dataclass
+class _Handle:
+    identity: bytes
+    state: RequestState
+    engine_request: EngineRequest
+    task: asyncio.Task[None] | None = None
+
+
+class NativeApi:
+    """The native ZMQ API of one frontend process."""
+
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        address: str,
+        engine: EngineClient,
+        processor: InputProcessor,
+        counter: MalformedFrameCounter,
+        *,
+        hwm: int | None = None,
+        allow_wildcard: bool = False,
+    ) -> None:
+        opts: dict[str, Any] = {} if hwm is None else {"sndhwm": hwm, "rcvhwm": hwm}
+        self.address = address
+        self._sock = make_socket(ctx, zmq.ROUTER, address, allow_wildcard=allow_wildcard, **opts)
+        self._engine = engine
+        self._processor = processor
+        self._counter = counter
+        self._inflight: dict[ClientKey, _Handle] = {}
+        self._accepting = True
+
+    # -- lifecycle ----------------------------------------------------------------------
+    @property
+    def num_inflight(self) -> int:
+        return len(self._inflight)
+
+    def stop_accepting(self) -> None:
+        """New requests are answered ``overloaded`` from now on; in-flight ones go on."""
+        self._accepting = False
+
+    async def abort_all(self) -> None:
+        """Shutdown: end every in-flight request (clients get finish_reason "abort")."""
+        handles = list(self._inflight.items())
+        await self._engine.abort([h.engine_request.request_id for _, h in handles])
+        for key, handle in handles:
+            self._forget(key)
+            for out in handle.state.abort_unfinished():
+                await self._send(handle.identity, out, drop_on_failure=False)
+
+    async def close(self) -> None:
+        for key in list(self._inflight):
+            self._forget(key)
+        self._sock.close()  # linger flushes the last outputs
+        if self.address.startswith("ipc://"):  # libzmq 4.3 leaves the socket file behind
+            with contextlib.suppress(OSError):
+                os.unlink(self.address[len("ipc://"):])
+
+    async def serve(self) -> None:
+        """The receive loop; runs until cancelled and never raises otherwise."""
+        while True:
+            try:
+                frames = await self._sock.recv_multipart(copy=False)
+            except zmq.ZMQError as e:
+                if e.errno == zmq.ETERM:
+                    return
+                log.warning("native API receive failed: %s", e)
+                continue
+            msg = safe_decode(frames, SOCKET_NAME, (GenerateRequest, AbortRequest), self._counter,
+                              num_frames=2)
+            if msg is None:
+                continue
+            identity = frames[0].bytes
+            try:
+                if isinstance(msg, GenerateRequest):
+                    await self._on_generate(identity, msg)
+                else:
+                    await self._on_abort(identity, msg)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # one request's failure must not end the loop
+                log.exception("native API: handling a %s failed", type(msg).__name__)
+
+    # -- client messages ----------------------------------------------------------------
+    async def _on_generate(self, identity: bytes, req: GenerateRequest) -> None:
+        key = (identity, req.request_id)
+        if not self._accepting:
+            await self._reply_error(identity, req.request_id, "overloaded",
+                                    "this frontend is shutting down; retry on another")
+            return
+        if key in self._inflight:
+            await self._reply_error(identity, req.request_id, "invalid_request",
+                                    f"request_id {req.request_id!r} is already in flight")
+            return
+        try:
+            processed = self._processor.process(req)
+        except InvalidRequest as e:
+            await self._reply_error(identity, req.request_id, e.code, str(e))
+            return
+        params = processed.sampling_params
+        engine_request = await self._engine.add(processed.prompt_token_ids, params)
+        state = RequestState(req.request_id, engine_request.request_id, params,
+                             len(processed.prompt_token_ids), self._processor.tokenizer, req.stream)
+        handle = _Handle(identity, state, engine_request)
+        self._inflight[key] = handle
+        handle.task = asyncio.get_running_loop().create_task(self._pump(key, handle))
+
+    async def _on_abort(self, identity: bytes, msg: AbortRequest) -> None:
+        for client_id in msg.request_ids:
+            handle = self._inflight.get((identity, client_id))
+            if handle is None:
+                continue  # finished already, or never ours: aborting is idempotent
+            state = handle.state
+            if msg.index is not None and not 0 <= msg.index < len(state.samples):
+                continue
+            await self._engine.abort([state.engine_request_id], msg.index)
+            indices = None if msg.index is None else [msg.index]
+            for out in state.abort_unfinished(indices):
+                if not await self._send(identity, out):
+                    return
+            if state.finished:
+                self._forget((identity, client_id))
+
+    # -- the per-request pump -------------------------------------------------------------
+    async def _pump(self, key: ClientKey, handle: _Handle) -> None:
+        state, identity = handle.state, handle.identity
+        try:
+            while not state.finished:
+                event = await handle.engine_request.get()
+                if isinstance(event, RequestError):
+                    self._forget(key)
+                    await self._reply_error(identity, state.client_request_id, event.code,
+                                            event.message)
+                    return
+                absorbed = state.absorb(event)
+                if absorbed.stop_string_hit:
+                    await self._engine.abort([state.engine_request_id], event.index)
+                if absorbed.output is not None and not await self._send(identity, absorbed.output):
+                    return  # the client is gone; _drop_client aborted everything of it
+            self._forget(key)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("request %s failed in the frontend", state.engine_request_id)
+            self._forget(key)
+            await self._engine.abort([state.engine_request_id])
+            await self._reply_error(identity, state.client_request_id, "engine_error",
+                                    "the frontend failed while processing this request")
+
+    # -- sending ------------------------------------------------------------------------
+    async def _reply_error(self, identity: bytes, request_id: str, code: str, message: str) -> None:
+        await self._send(identity, RequestError(request_id, code, message))
+
+    async def _send(
+        self, identity: bytes, msg: GenerateOutput | RequestError, drop_on_failure: bool = True
+    ) -> bool:
+        """Send without waiting; on failure drop the client (abort its requests)."""
+        try:
+            await self._sock.send_multipart([identity, encode(msg)], flags=zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError as e:
+            if e.errno == zmq.EHOSTUNREACH:
+                why = "disconnected"
+            elif e.errno == zmq.EAGAIN:
+                why = "is too slow (its pipe is full)"
+            else:
+                why = f"send failed ({e})"
+        if drop_on_failure:
+            await self._drop_client(identity, why)
+        return False
+
+    async def _drop_client(self, identity: bytes, why: str) -> None:
+        keys = [k for k in self._inflight if k[0] == identity]
+        engine_ids = [self._inflight[k].engine_request.request_id for k in keys]
+        for k in keys:
+            self._forget(k)
+        if engine_ids:
+            await self._engine.abort(engine_ids)
+        if keys:
+            log.warning("client %s %s: aborted its %d request(s)", identity.hex()[:16], why,
+                        len(keys))
+
+    def _forget(self, key: ClientKey) -> None:
+        """Stop tracking a request; cancel its pump unless the pump is the caller."""
+        handle = self._inflight.pop(key, None)
+        if handle is None or handle.task is None:
+            return
+        if handle.task is not asyncio.current_task() and not handle.task.done():
+            handle.task.cancel()
+
