@@ -35,6 +35,9 @@ def test_selector_defaults_and_override(monkeypatch: pytest.MonkeyPatch) -> None
     assert get_attention_backend(torch.device("cpu")).name == "torch"
     monkeypatch.setenv(ENV_VAR, "torch")
     assert get_attention_backend(torch.device("cuda")).name == "torch"
+    if HAS_TRITON and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
+        monkeypatch.setenv(ENV_VAR, "triton")
+        assert get_attention_backend(torch.device("cpu")).name == "triton"
     monkeypatch.setenv(ENV_VAR, "nope")
     with pytest.raises(ValueError, match="unknown attention backend 'nope'"):
         get_attention_backend(torch.device("cpu"))
