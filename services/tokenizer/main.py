@@ -87,6 +87,35 @@ def build_apis(core: FrontendCore, ctx: zmq.asyncio.Context, config: PagodaConfi
 
 
 async def run_frontend(config: PagodaConfig, ready_fd: int | None = None) -> int:
+    # signals first: a SIGTERM that comes during start-up (or right after the ready
+    # report) is handled as a shutdown, not by Python's default handler
+    signals = _Signals(asyncio.get_running_loop())
+    try:
+        return await _run(config, ready_fd, signals)
+    finally:
+        signals.remove()
+
+
+class _Signals:
+    """SIGTERM/SIGINT as events: the first asks to stop, the second to skip the drain."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.stop, self.force = asyncio.Event(), asyncio.Event()
+        for sig in self.SIGNALS:
+            loop.add_signal_handler(sig, self._on_signal)
+
+    def _on_signal(self) -> None:
+        (self.force if self.stop.is_set() else self.stop).set()
+
+    def remove(self) -> None:
+        for sig in self.SIGNALS:
+            self.loop.remove_signal_handler(sig)
+
+
+async def _run(config: PagodaConfig, ready_fd: int | None, signals: _Signals) -> int:
     proc = config.process
     model_dir = resolve_model(config.engine.model, progress=False)
     limits = load_limits(model_dir, config.engine.max_model_len)
@@ -107,7 +136,7 @@ async def run_frontend(config: PagodaConfig, ready_fd: int | None = None) -> int
               f"max_model_len {limits.max_model_len}", flush=True)
         if ready_fd is not None:
             report_ready(ready_fd, role="frontend", frontend_id=frontend_id, native=native)
-        return await _serve_until_signal(apis, serving, proc.shutdown_timeout_s)
+        return await _serve_until_signal(apis, serving, proc.shutdown_timeout_s, signals)
     finally:
         for api in apis:
             await api.close()
@@ -118,16 +147,11 @@ async def run_frontend(config: PagodaConfig, ready_fd: int | None = None) -> int
 
 
 async def _serve_until_signal(
-    apis: list[FrontendApi], serving: list[asyncio.Task[None]], drain_s: float
+    apis: list[FrontendApi], serving: list[asyncio.Task[None]], drain_s: float,
+    signals: _Signals,
 ) -> int:
     loop = asyncio.get_running_loop()
-    stop, force = asyncio.Event(), asyncio.Event()
-
-    def on_signal() -> None:
-        (force if stop.is_set() else stop).set()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal)
+    stop, force = signals.stop, signals.force
     stop_wait = asyncio.create_task(stop.wait())
     done, _ = await asyncio.wait([stop_wait, *serving], return_when=asyncio.FIRST_COMPLETED)
     rc = 0
@@ -151,8 +175,6 @@ async def _serve_until_signal(
     for task in serving:
         task.cancel()
     await asyncio.gather(*serving, return_exceptions=True)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.remove_signal_handler(sig)
     return rc
 
 
