@@ -1,0 +1,148 @@
+"""pagoda.client against a real frontend process and a fake scheduler.
+
+Covers what the frontend tests do not: the client's own checks (before anything is
+sent), grouping of n samples, the asyncio client with concurrent requests and early
+close, several client processes at once, timeouts without a frontend, and that the
+module imports without torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from pagoda.client import (
+    AsyncClient,
+    Client,
+    InvalidRequestError,
+    RequestTimeoutError,
+)
+from shared.protocol import AddRequest
+from support.fake_scheduler import Script
+from support.frontend_proc import REPO_ROOT, FrontendStack, start_frontend
+
+
+def _echo(add: AddRequest) -> Script:
+    """Sample i answers the prompt's ids shifted by 100 * i, two tokens a step."""
+    ids = add.prompt_token_ids
+    return Script([[t + 100 * i for t in ids] for i in range(add.sampling_params.n)],
+                  tokens_per_step=2)
+
+
+@pytest.fixture(scope="module")
+def stack(smollm2_dir: Path) -> Iterator[FrontendStack]:
+    s = start_frontend(smollm2_dir)
+    s.scheduler.script_for = _echo
+    yield s
+    assert s.stop() == 0, s.log()
+
+
+def test_imports_without_torch() -> None:
+    code = "import sys, pagoda.client; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True,
+                   env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(prompt="hi", temperature=-1.0),
+    dict(prompt="hi", n=0),
+    dict(prompt="hi", not_a_param=1),
+    dict(prompt=[1, -2]),
+    dict(prompt=None),
+    dict(prompt="hi", messages=[{"role": "user", "content": "hi"}]),
+    dict(messages=[{"role": "user"}]),
+])
+def test_client_side_errors_raise_before_sending(kwargs: dict) -> None:
+    # no frontend listens at this address: anything sent would only time out
+    with Client("ipc:///tmp/pagoda-no-such-frontend.sock", timeout=5) as c:
+        with pytest.raises(InvalidRequestError):
+            c.generate(**kwargs)
+
+
+def test_timeout_without_a_frontend() -> None:
+    with tempfile.TemporaryDirectory(dir="/tmp") as d, Client(f"ipc://{d}/none.sock") as c:
+        with pytest.raises(RequestTimeoutError):
+            c.generate([1, 2, 3], timeout=0.2)
+
+
+def test_generate_groups_n_samples_with_usage(stack: FrontendStack) -> None:
+    with Client(stack.native, timeout=20) as c:
+        result = c.generate([5, 6, 7], n=3, max_tokens=8)
+    assert [o.index for o in result.outputs] == [0, 1, 2]
+    assert [o.token_ids for o in result.outputs] == [[5, 6, 7], [105, 106, 107], [205, 206, 207]]
+    assert all(o.finish_reason == "length" for o in result.outputs)
+    assert result.usage.prompt_tokens == 3 and result.usage.completion_tokens == 9
+
+
+def test_one_client_interleaves_two_streams(stack: FrontendStack) -> None:
+    with Client(stack.native, timeout=20) as c:
+        a = c.stream([10, 11, 12, 13], max_tokens=8)
+        b = c.stream([20, 21, 22, 23], max_tokens=8)
+        got_a, got_b = [], []
+        for da, db in zip(a, b):
+            got_a += da.token_ids
+            got_b += db.token_ids
+    assert got_a == [10, 11, 12, 13] and got_b == [20, 21, 22, 23]
+
+
+def test_async_client_concurrent_requests_and_early_close(stack: FrontendStack) -> None:
+    async def run() -> None:
+        async with AsyncClient(stack.native, timeout=20) as c:
+            prompts = [[30 + i, 31 + i, 32 + i] for i in range(16)]
+            results = await asyncio.gather(*(c.generate(p, max_tokens=8) for p in prompts))
+            assert [r.outputs[0].token_ids for r in results] == prompts
+            deltas = [d async for d in c.stream([50, 51, 52, 53, 54], max_tokens=8)]
+            assert [t for d in deltas for t in d.token_ids] == [50, 51, 52, 53, 54]
+            stack.scheduler.script_for = lambda add: Script([[65]], forever=True)
+            try:
+                async with c.stream([60, 61], max_tokens=50) as s:
+                    async for _ in s:
+                        break
+            finally:
+                stack.scheduler.script_for = _echo
+            add = stack.scheduler.add_for([60, 61])
+            assert add is not None
+            assert await asyncio.to_thread(
+                stack.scheduler.wait_for, lambda: stack.scheduler.aborted(add.request_id)
+            )
+            with pytest.raises(RequestTimeoutError):
+                stack.scheduler.script_for = lambda add: Script([[65]], forever=True)
+                try:
+                    await c.generate([70, 71], max_tokens=50, timeout=0.2)
+                finally:
+                    stack.scheduler.script_for = _echo
+
+    asyncio.run(run())
+
+
+CLIENT_PROCESS = """
+import sys
+from pagoda.client import Client
+base = int(sys.argv[2])
+with Client(sys.argv[1], timeout=60) as c:
+    for i in range(10):
+        prompt = [base + i, base + i + 1, base + i + 2]
+        r = c.generate(prompt, max_tokens=8, n=2)
+        assert r.outputs[0].token_ids == prompt, (r, prompt)
+        assert r.outputs[1].token_ids == [t + 100 for t in prompt], r
+print("ok")
+"""
+
+
+def test_several_client_processes_at_once(stack: FrontendStack) -> None:
+    procs = [
+        subprocess.Popen([sys.executable, "-c", CLIENT_PROCESS, stack.native, str(1000 * (k + 1))],
+                         cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+        for k in range(3)
+    ]
+    for p in procs:
+        out, _ = p.communicate(timeout=60)
+        assert p.returncode == 0 and out.strip().endswith(b"ok"), out.decode()
