@@ -84,6 +84,7 @@ class RequestTimeoutError(PagodaError, TimeoutError):
 _ERRORS: dict[str, type[PagodaError]] = {
     "invalid_request": InvalidRequestError, "too_long": InvalidRequestError,
     "duplicate_id": InvalidRequestError, "overloaded": OverloadedError,
+    "shutting_down": OverloadedError,  # the scheduler is stopping: retry elsewhere/later
 }
 
 
