@@ -146,6 +146,9 @@ def serve(argv: list[str] | None = None) -> int:
             stack.stop()
             return 1
         print(f"pagoda serve: ready, model {model_dir}", flush=True)
+        print(f"  scheduler: frontends {config.endpoints.scheduler_frontend}, steps "
+              f"{config.endpoints.scheduler_step}, results {config.endpoints.scheduler_result}")
+        print("  processes: " + " ".join(f"{c.name}={c.proc.pid}" for c in stack.children))
         for i, address in enumerate(config.endpoints.frontend_native):
             print(f"  frontend {i} native API: {address}", flush=True)
         exit_code = 0

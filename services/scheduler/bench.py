@@ -103,8 +103,8 @@ def make_workload(tokenizer, num: int, prompt_range: tuple[int, int], output_ran
     return Workload(prompts, outs)
 
 
-def bench_llm(model: str, work: Workload) -> float:
-    """Output tokens per second of LLM.generate on the workload."""
+def bench_llm_outputs(model: str, work: Workload) -> tuple[float, list[list[int]]]:
+    """Output tokens per second of LLM.generate on the workload, and the tokens."""
     from pagoda.llm import LLM
 
     llm = LLM(model)
@@ -113,9 +113,13 @@ def bench_llm(model: str, work: Workload) -> float:
     t0 = time.perf_counter()
     outs = llm.generate(work.prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
-    produced = sum(len(o.outputs[0].token_ids) for o in outs)
-    assert produced == sum(work.output_lens)
-    return produced / elapsed
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    assert sum(map(len, tokens)) == sum(work.output_lens)
+    return sum(map(len, tokens)) / elapsed, tokens
+
+
+def bench_llm(model: str, work: Workload) -> float:
+    return bench_llm_outputs(model, work)[0]
 
 
 def bench_hf_static(model_dir: str, work: Workload, batch_size: int) -> float:

@@ -19,8 +19,10 @@ container runtime restarts the stack instead of leaving it hung.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
+import os
 import threading
 import time
 from typing import Any
@@ -98,6 +100,8 @@ class SchedulerServer:
             vocab_size=first.vocab_size,
             enable_prefix_caching=engine.enable_prefix_caching,
             eos_token_ids=tuple(first.eos_token_ids),
+            # tests run the stack with PAGODA_TESTING=1: a broken invariant is fatal there
+            strict_invariants=os.environ.get("PAGODA_TESTING") == "1",
         ))
         # the block pool and request table are long-lived: keep them out of the
         # collector's generations so a full collection does not stall a step
@@ -110,16 +114,30 @@ class SchedulerServer:
         sched = self.scheduler
         assert sched is not None, "wait_for_workers first"
         try:
+            busy = False
             while not self.stop.is_set():
                 self._take_frontend_messages(block=not sched.has_unfinished_requests())
                 if sched.has_unfinished_requests():
                     self._step(sched)
+                    busy = True
+                elif busy:  # just went idle: the step that emptied it ran the invariant check
+                    busy = False
+                    self._log_idle(sched)
             self._abort_everything("the scheduler is shutting down", code="shutting_down")
             return 0
         except EngineDeadError as e:
             log.error("engine dead: %s", e)
             self._abort_everything(f"engine error: {e}", code="engine_error")
             return 1
+
+    def _log_idle(self, sched: Scheduler) -> None:
+        st = sched.stats()
+        log.info(
+            "idle: running=%d waiting=%d kv_usage=%.4f prefix_hits=%d/%d preemptions=%d "
+            "invariant_failures=%d malformed_frames=%d",
+            st.running, st.waiting, st.kv_usage, st.prefix_cache_hits, st.prefix_cache_queries,
+            st.num_preemptions, st.invariant_failures, self.counter.count(),
+        )
 
     def _step(self, sched: Scheduler) -> None:
         batch = sched.schedule()
@@ -256,3 +274,9 @@ class SchedulerServer:
         for sock in (self.frontends, self.steps, self.results):
             sock.close()
         self.ctx.term()
+        # libzmq leaves ipc:// socket files behind; the binder removes its own
+        for address in (self.config.endpoints.scheduler_frontend, self.config.endpoints.scheduler_step,
+                        self.config.endpoints.scheduler_result):
+            if address.startswith("ipc://"):
+                with contextlib.suppress(OSError):
+                    os.unlink(address[len("ipc://"):])

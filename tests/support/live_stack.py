@@ -1,0 +1,78 @@
+"""A live `pagoda serve` (the real CLI, all processes) for the e2e tests.
+
+The stack runs with PAGODA_TESTING=1 (a broken block-accounting invariant is fatal in
+the scheduler). Its output goes to a log file; tests poll that file for lines with a
+deadline instead of sleeping.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+
+@dataclass
+class LiveStack:
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    frontends: list[str] = field(default_factory=list)
+    scheduler: dict[str, str] = field(default_factory=dict)
+    pids: dict[str, int] = field(default_factory=dict)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_for_log(self, predicate: Callable[[str], bool], timeout: float = 120.0, after: int = 0) -> str:
+        """Poll the log (from offset ``after``) until predicate(text) holds."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            text = self.log()[after:]
+            if predicate(text):
+                return text
+            if self.proc.poll() is not None:
+                raise AssertionError(f"pagoda serve exited {self.proc.returncode}:\n{self.log()[-3000:]}")
+            time.sleep(0.05)  # polling an observable condition, not synchronising
+        raise AssertionError(f"timed out waiting for the log:\n{self.log()[-3000:]}")
+
+    def run_dir(self) -> Path:
+        return Path(self.frontends[0][len("ipc://"):]).parent
+
+
+def start_stack(model_dir: Path, log_path: Path, num_frontends: int, *extra: str) -> LiveStack:
+    env = {**os.environ, "PAGODA_TESTING": "1", "PYTHONUNBUFFERED": "1"}
+    log = open(log_path, "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pagoda.cli", "serve", "--model", str(model_dir),
+         "--frontends", str(num_frontends), *extra],
+        stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+    )
+    stack = LiveStack(proc, log_path)
+    text = stack.wait_for_log(lambda t: f"frontend {num_frontends - 1} native API: " in t, timeout=300)
+    stack.frontends = re.findall(r"frontend \d+ native API: (\S+)", text)
+    m = re.search(r"scheduler: frontends (\S+), steps (\S+), results (\S+)", text)
+    assert m, text
+    stack.scheduler = {"frontend": m.group(1), "step": m.group(2), "result": m.group(3)}
+    stack.pids = {k: int(v) for k, v in re.findall(r"(\S+)=(\d+)", text.split("processes:")[1].splitlines()[0])}
+    return stack
+
+
+def stop_stack(stack: LiveStack) -> None:
+    stack.proc.send_signal(signal.SIGTERM)
+    assert stack.proc.wait(timeout=120) == 0, stack.log()[-3000:]
+
+
+def expected_offline(model_dir: Path, prompts: list, params: list):  # type: ignore[no-untyped-def,type-arg]
+    from pagoda import LLM
+
+    llm = LLM(str(model_dir), num_kv_blocks=2048, max_model_len=2048)
+    return llm.generate(prompts, params, use_tqdm=False)
