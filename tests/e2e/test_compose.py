@@ -1,0 +1,138 @@
+"""compose.yaml must be true: start every service's command with its environment as
+local processes and serve requests through them.
+
+There is no Docker engine here, so the test does what compose would: it merges
+compose.yaml with compose.cpu.yaml (this machine has no GPU), resolves service names
+to 127.0.0.1, maps the model-cache volume to the local cache, and starts each
+replica. Two replicas on one host cannot bind the same port, so replica k of a
+service binds its port + k (the published port range in compose.yaml is exactly that).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from pagoda.client import Client
+from pagoda.model_fetch import default_cache_dir
+from shared.sampling_params import SamplingParams
+from support.live_stack import REPO, expected_offline
+
+pytestmark = pytest.mark.slow
+
+
+class _ComposeLoader(yaml.SafeLoader):
+    pass
+
+
+_ComposeLoader.add_constructor("!reset", lambda loader, node: None)
+
+
+def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in override.items():
+        if value is None:  # !reset
+            out.pop(key, None)
+        elif isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_services() -> dict[str, dict[str, Any]]:
+    main = yaml.load((REPO / "compose.yaml").read_text(), Loader=_ComposeLoader)
+    cpu = yaml.load((REPO / "compose.cpu.yaml").read_text(), Loader=_ComposeLoader)
+    return _merge(main, cpu)["services"]
+
+
+def test_compose_file_shape() -> None:
+    services = load_services()
+    assert set(services) == {"scheduler", "worker", "tokenizer"}
+    assert services["tokenizer"]["deploy"]["replicas"] == 2
+    main = yaml.load((REPO / "compose.yaml").read_text(), Loader=_ComposeLoader)
+    assert main["services"]["worker"]["deploy"]["resources"]["reservations"]["devices"][0]["driver"] == "nvidia"
+    assert main["networks"]["zmq"]["internal"] is True
+    for name, svc in main["services"].items():
+        assert svc.get("stop_grace_period"), name
+        for port in svc.get("ports", []):
+            assert str(port).startswith("127.0.0.1:"), f"{name} publishes {port} beyond loopback"
+        if name != "tokenizer":
+            assert not svc.get("ports"), f"{name} must publish nothing"
+
+
+def _local_env(env: dict[str, Any], services: list[str], replica: int) -> dict[str, str]:
+    out = {}
+    for key, value in env.items():
+        text = str(value)
+        for svc in services:
+            text = text.replace(f"tcp://{svc}:", "tcp://127.0.0.1:")
+        if key == "PAGODA_FRONTEND_NATIVE" and replica:
+            text = re.sub(r":(\d+)$", lambda m: f":{int(m.group(1)) + replica}", text)
+        out[key] = text
+    out["PAGODA_CACHE"] = str(default_cache_dir())  # the model-cache volume
+    return out
+
+
+def _command(cmd: list[str]) -> list[str]:
+    assert cmd[0] == "pagoda", cmd
+    return [sys.executable, "-m", "pagoda.cli", *cmd[1:]]
+
+
+def _wait_healthy(test: list[str], env: dict[str, str], procs: list[subprocess.Popen[bytes]]) -> None:
+    assert test[0] == "CMD"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if subprocess.run(_command(test[1:]), env=env, cwd=REPO, capture_output=True).returncode == 0:
+            return
+        assert all(p.poll() is None for p in procs), "a service exited while starting"
+        time.sleep(0.2)  # polling the health probe, as compose does
+    raise AssertionError(f"{test} never passed")
+
+
+def test_compose_services_serve_requests(smollm2_dir: Path, tmp_path: Path) -> None:
+    services = load_services()
+    names = list(services)
+    procs: list[subprocess.Popen[bytes]] = []
+    logs = []
+    try:
+        for name in ("scheduler", "worker", "tokenizer"):
+            svc = services[name]
+            for replica in range(svc.get("deploy", {}).get("replicas", 1)):
+                env = {**os.environ, **_local_env(svc["environment"], names, replica)}
+                log = open(tmp_path / f"{name}-{replica}.log", "wb")
+                logs.append(log)
+                procs.append(subprocess.Popen(_command(svc["command"]), env=env, cwd=REPO,
+                                              stdout=log, stderr=subprocess.STDOUT))
+                if "healthcheck" in svc:
+                    probe = [str(x) for x in svc["healthcheck"]["test"]]
+                    probe = [re.sub(r":(\d+)$", lambda m: f":{int(m.group(1)) + replica}", x) for x in probe]
+                    if name != "scheduler":  # the scheduler is healthy only once the worker is up
+                        _wait_healthy(probe, env, procs)
+                    else:
+                        sched_probe = (probe, env)
+            if name == "worker":
+                _wait_healthy(*sched_probe, procs)
+        prompt = "The three primary colours are"
+        expected = expected_offline(smollm2_dir, [prompt], [SamplingParams(temperature=0.0, max_tokens=12)])
+        for port in (5580, 5581):
+            with Client(f"tcp://127.0.0.1:{port}", timeout=300) as client:
+                got = client.generate(prompt, temperature=0.0, max_tokens=12)
+            assert got.outputs[0].token_ids == expected[0].outputs[0].token_ids
+    finally:
+        for p in reversed(procs):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        codes = [p.wait(timeout=60) for p in procs]
+        for log in logs:
+            log.close()
+    assert codes == [0] * len(procs), [(p.args, c) for p, c in zip(procs, codes)]
