@@ -41,8 +41,10 @@ import msgpack
 from shared.protocol import (
     AbortRequest,
     AddRequest,
+    EngineStats,
     GenerateOutput,
     GenerateRequest,
+    Heartbeat,
     NewRequest,
     RequestError,
     RequestOutput,
@@ -72,6 +74,8 @@ KINDS: dict[int, type] = {
     7: WorkerReady,
     8: GenerateRequest,  # client -> frontend (ChatMessage is nested, needs no kind)
     9: GenerateOutput,  # frontend -> client
+    10: Heartbeat,  # frontend -> scheduler
+    11: EngineStats,  # scheduler -> frontend (Histogram, MalformedCount nested)
 }
 KIND_OF: dict[type, int] = {cls: kind for kind, cls in KINDS.items()}
 

@@ -219,3 +219,55 @@ class GenerateOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # of this sample, so far
     num_cached_tokens: int = 0
+
+
+# -- scheduler <-> frontends: liveness and the authoritative engine figures -------------------
+
+
+@dataclass
+class Heartbeat:
+    """Frontend -> scheduler, about once a second; answered with EngineStats."""
+
+    frontend_id: str
+
+
+@dataclass
+class Histogram:
+    """Prometheus-style: counts per bucket (upper bounds ascending, then +Inf)."""
+
+    bounds: list[float]
+    counts: list[int]  # len(bounds) + 1, not cumulative
+    total: float  # sum of the observations
+    count: int
+
+
+@dataclass
+class MalformedCount:
+    socket: str
+    reason: str
+    count: int
+
+
+@dataclass
+class EngineStats:
+    """Scheduler -> every frontend: the figures only the scheduler knows, so each
+    frontend's /metrics shows the same, complete numbers however many there are."""
+
+    running: int
+    waiting: int
+    kv_usage: float  # fraction of the KV block pool held
+    num_kv_blocks: int
+    prefix_cache_queries: int  # prompt tokens looked up (counter)
+    prefix_cache_hits: int  # of those, found (counter)
+    num_preemptions: int  # counter
+    prompt_tokens: int  # counter, prompts of finished requests
+    generation_tokens: int  # counter
+    finished_stop: int  # requests (samples) by finish reason, counters
+    finished_length: int
+    finished_abort: int
+    time_to_first_token: Histogram  # seconds, from the frontend's arrival time
+    inter_token_latency: Histogram  # seconds between tokens of one sample
+    e2e_latency: Histogram  # seconds, arrival to finish
+    queue_time: Histogram  # seconds, arrival to first scheduled
+    invariant_failures: int
+    malformed_frames: list[MalformedCount] = field(default_factory=list)
