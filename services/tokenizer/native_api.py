@@ -2,11 +2,10 @@
 
 Clients send ``GenerateRequest`` and ``AbortRequest`` (their own request ids, scoped
 per client connection: the key of a request is (client identity, client request id)).
-Per request: validate and tokenize (``InputProcessor``; a bad request gets a typed
-``RequestError`` and nothing reaches the scheduler), add it upstream through the
-``EngineClient``, then one task pumps its scheduler outputs through a ``RequestState``
-back to the client as ``GenerateOutput``s. A stop string ends a sample here and aborts
-that sample upstream.
+Per request, ``RequestRunner`` (shared with the HTTP API) validates and tokenizes it
+(a bad request gets a typed ``RequestError`` and nothing reaches the scheduler) and
+adds it upstream; then one task pumps its ``RunningRequest`` outputs back to the client
+as ``GenerateOutput``s (stop strings and their upstream aborts happen in the runner).
 
 Sends never wait on a client: they use NOBLOCK on a ROUTER_MANDATORY socket, so a
 client that vanished (EHOSTUNREACH) or stopped reading until its pipe filled (EAGAIN)
@@ -26,9 +25,9 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from services.tokenizer.engine_client import EngineClient, EngineRequest
+from services.tokenizer.engine_client import EngineClient
 from services.tokenizer.input_processor import InputProcessor, InvalidRequest
-from services.tokenizer.request_state import RequestState
+from services.tokenizer.request_runner import RequestFailed, RequestRunner, RunningRequest
 from shared.codec import MalformedFrameCounter, encode, safe_decode
 from shared.ipc import make_socket
 from shared.protocol import AbortRequest, GenerateOutput, GenerateRequest, RequestError
@@ -42,8 +41,7 @@ ClientKey = tuple[bytes, str]  # (client identity, client request id)
 @dataclass
 class _Handle:
     identity: bytes
-    state: RequestState
-    engine_request: EngineRequest
+    run: RunningRequest
     task: asyncio.Task[None] | None = None
 
 
@@ -65,7 +63,7 @@ class NativeApi:
         self.address = address
         self._sock = make_socket(ctx, zmq.ROUTER, address, allow_wildcard=allow_wildcard, **opts)
         self._engine = engine
-        self._processor = processor
+        self._runner = RequestRunner(engine, processor)
         self._counter = counter
         self._inflight: dict[ClientKey, _Handle] = {}
         self._accepting = True
@@ -82,10 +80,10 @@ class NativeApi:
     async def abort_all(self) -> None:
         """Shutdown: end every in-flight request (clients get finish_reason "abort")."""
         handles = list(self._inflight.items())
-        await self._engine.abort([h.engine_request.request_id for _, h in handles])
-        for key, handle in handles:
+        finals = await self._runner.abort_many([h.run for _, h in handles])
+        for (key, handle), outputs in zip(handles, finals):
             self._forget(key)
-            for out in handle.state.abort_unfinished():
+            for out in outputs:
                 await self._send(handle.identity, out, drop_on_failure=False)
 
     async def close(self) -> None:
@@ -133,15 +131,12 @@ class NativeApi:
                                     f"request_id {req.request_id!r} is already in flight")
             return
         try:
-            processed = self._processor.process(req)
+            processed = self._runner.prepare(req)
         except InvalidRequest as e:
             await self._reply_error(identity, req.request_id, e.code, str(e))
             return
-        params = processed.sampling_params
-        engine_request = await self._engine.add(processed.prompt_token_ids, params)
-        state = RequestState(req.request_id, engine_request.request_id, params,
-                             len(processed.prompt_token_ids), self._processor.tokenizer, req.stream)
-        handle = _Handle(identity, state, engine_request)
+        run = await self._runner.start(processed, req.request_id, req.stream)
+        handle = _Handle(identity, run)
         self._inflight[key] = handle
         handle.task = asyncio.get_running_loop().create_task(self._pump(key, handle))
 
@@ -150,41 +145,34 @@ class NativeApi:
             handle = self._inflight.get((identity, client_id))
             if handle is None:
                 continue  # finished already, or never ours: aborting is idempotent
-            state = handle.state
-            if msg.index is not None and not 0 <= msg.index < len(state.samples):
+            run = handle.run
+            if msg.index is not None and not 0 <= msg.index < len(run.state.samples):
                 continue
-            await self._engine.abort([state.engine_request_id], msg.index)
-            indices = None if msg.index is None else [msg.index]
-            for out in state.abort_unfinished(indices):
+            for out in await run.abort(None if msg.index is None else [msg.index]):
                 if not await self._send(identity, out):
                     return
-            if state.finished:
+            if run.finished:
                 self._forget((identity, client_id))
 
     # -- the per-request pump -------------------------------------------------------------
     async def _pump(self, key: ClientKey, handle: _Handle) -> None:
-        state, identity = handle.state, handle.identity
+        run, identity = handle.run, handle.identity
+        client_id = run.state.client_request_id
         try:
-            while not state.finished:
-                event = await handle.engine_request.get()
-                if isinstance(event, RequestError):
-                    self._forget(key)
-                    await self._reply_error(identity, state.client_request_id, event.code,
-                                            event.message)
-                    return
-                absorbed = state.absorb(event)
-                if absorbed.stop_string_hit:
-                    await self._engine.abort([state.engine_request_id], event.index)
-                if absorbed.output is not None and not await self._send(identity, absorbed.output):
+            async for out in run.outputs():
+                if not await self._send(identity, out):
                     return  # the client is gone; _drop_client aborted everything of it
             self._forget(key)
+        except RequestFailed as e:
+            self._forget(key)
+            await self._reply_error(identity, client_id, e.code, e.message)
         except asyncio.CancelledError:
             raise
         except Exception:
-            log.exception("request %s failed in the frontend", state.engine_request_id)
+            log.exception("request %s failed in the frontend", run.request_id)
             self._forget(key)
-            await self._engine.abort([state.engine_request_id])
-            await self._reply_error(identity, state.client_request_id, "engine_error",
+            await self._engine.abort([run.request_id])
+            await self._reply_error(identity, client_id, "engine_error",
                                     "the frontend failed while processing this request")
 
     # -- sending ------------------------------------------------------------------------
@@ -211,7 +199,7 @@ class NativeApi:
 
     async def _drop_client(self, identity: bytes, why: str) -> None:
         keys = [k for k in self._inflight if k[0] == identity]
-        engine_ids = [self._inflight[k].engine_request.request_id for k in keys]
+        engine_ids = [self._inflight[k].run.request_id for k in keys]
         for k in keys:
             self._forget(k)
         if engine_ids:
