@@ -39,6 +39,10 @@ def seq_id_of(request_id: str, index: int) -> str:
     return f"{request_id}-{index}"
 
 
+def request_id_of(seq_id: str) -> str:
+    return seq_id.rsplit("-", 1)[0]
+
+
 @dataclass(eq=False)
 class Request:
     request_id: str

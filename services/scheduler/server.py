@@ -29,6 +29,8 @@ from typing import Any
 
 import zmq
 
+from services.scheduler.metrics import EngineMetrics
+from services.scheduler.request import seq_id_of
 from services.scheduler.request_router import RequestRouter, internal_id
 from services.scheduler.scheduler import RequestRejected, Scheduler, SchedulerConfig
 from shared.codec import MalformedFrameCounter, encode, safe_decode
@@ -37,6 +39,8 @@ from shared.ipc import make_socket, wait_for_subscribers
 from shared.protocol import (
     AbortRequest,
     AddRequest,
+    EngineStats,
+    Heartbeat,
     RequestError,
     RequestOutput,
     RequestOutputs,
@@ -48,6 +52,7 @@ from shared.protocol import (
 log = logging.getLogger("pagoda.scheduler")
 IDLE_POLL_MS = 200  # the idle loop's wake-up to look at the stop flag
 STEP_TIMEOUT_S = 600.0  # no result for this long: the worker is wedged
+FRONTEND_SILENCE_S = 15.0  # heartbeats are ~1 s apart; a step may hold the loop for seconds
 
 
 class EngineDeadError(RuntimeError):
@@ -60,6 +65,7 @@ class SchedulerServer:
         self.stop = stop or threading.Event()
         self.counter = MalformedFrameCounter(log)
         self.router = RequestRouter()
+        self.metrics = EngineMetrics()
         self.ctx: zmq.Context[Any] = zmq.Context()
         ep, proc = config.endpoints, config.process
         opts = dict(sndhwm=proc.socket_hwm, rcvhwm=proc.socket_hwm, max_msg_size=proc.max_frame_bytes,
@@ -70,6 +76,8 @@ class SchedulerServer:
         self.scheduler: Scheduler | None = None
         self.num_workers = config.engine.tensor_parallel_size
         self._subscribers = 0  # live step subscriptions (one per worker rank)
+        self._heartbeats: dict[bytes, float] = {}  # frontend identity -> last heartbeat (monotonic)
+        self._last_silence_check = 0.0
 
     # -- start-up --------------------------------------------------------------------
     def wait_for_workers(self, timeout_s: float) -> Scheduler:
@@ -141,6 +149,7 @@ class SchedulerServer:
 
     def _step(self, sched: Scheduler) -> None:
         batch = sched.schedule()
+        self.metrics.on_step(batch, time.time())
         self._publish(batch)
         result = self._wait_result(batch.step_id)
         outputs = sched.update(batch, result)
@@ -193,17 +202,36 @@ class SchedulerServer:
         while self.frontends.poll(timeout, zmq.POLLIN):
             timeout = 0
             frames = self.frontends.recv_multipart(copy=False)
-            msg = safe_decode(frames, "scheduler_frontend", (AddRequest, AbortRequest), self.counter,
-                              num_frames=2)
+            msg = safe_decode(frames, "scheduler_frontend", (AddRequest, AbortRequest, Heartbeat),
+                              self.counter, num_frames=2)
             if msg is None:
                 continue
             identity = frames[0].bytes
             if isinstance(msg, AddRequest):
                 self._add(identity, msg)
-            else:
+            elif isinstance(msg, AbortRequest):
                 self._abort(identity, msg)
+            else:
+                self._heartbeats[identity] = time.monotonic()
+                self._send(identity, self.engine_stats())
+        self._drop_silent_frontends()
         if block and self.steps.poll(0, zmq.POLLIN):
             self._watch_subscriptions()
+
+    def _drop_silent_frontends(self) -> None:
+        """A frontend that heartbeats and then falls silent is gone (killed, partitioned):
+        its requests are aborted even if none of them has produced output yet."""
+        now = time.monotonic()
+        if now - self._last_silence_check < 1.0:
+            return
+        self._last_silence_check = now
+        for identity, last in list(self._heartbeats.items()):
+            if now - last > FRONTEND_SILENCE_S:
+                del self._heartbeats[identity]
+                if self.router.requests_of(identity):
+                    log.warning("frontend %s silent for %.0fs: aborting its requests", identity.hex(),
+                                now - last)
+                    self._drop_frontend(identity)
 
     def _add(self, identity: bytes, msg: AddRequest) -> None:
         sched = self.scheduler
@@ -222,6 +250,14 @@ class SchedulerServer:
         except RequestRejected as e:
             self.router.forget(iid)
             self._send_error(identity, msg.request_id, e.code, str(e))
+            return
+        seq_ids = [seq_id_of(iid, i) for i in range(msg.sampling_params.n)]
+        self.metrics.on_add(iid, seq_ids, msg.arrival_time, len(msg.prompt_token_ids))
+
+    def engine_stats(self) -> EngineStats:
+        sched = self.scheduler
+        assert sched is not None
+        return self.metrics.snapshot(sched.stats(), sched.config.num_blocks, self.counter)
 
     def _abort(self, identity: bytes, msg: AbortRequest) -> None:
         sched = self.scheduler
@@ -233,6 +269,7 @@ class SchedulerServer:
     def _send_outputs(self, outputs: list[RequestOutput]) -> None:
         sched = self.scheduler
         assert sched is not None
+        self.metrics.on_outputs(outputs, time.time())
         finished = {o.request_id for o in outputs if o.finished and o.request_id not in sched.requests}
         for identity, outs in self.router.route(outputs, finished).items():
             self._send(identity, RequestOutputs(outs))
@@ -240,7 +277,7 @@ class SchedulerServer:
     def _send_error(self, identity: bytes, request_id: str, code: str, message: str) -> None:
         self._send(identity, RequestError(request_id, code, message))
 
-    def _send(self, identity: bytes, msg: RequestOutputs | RequestError) -> None:
+    def _send(self, identity: bytes, msg: RequestOutputs | RequestError | EngineStats) -> None:
         try:
             self.frontends.send_multipart([identity, encode(msg)], flags=zmq.NOBLOCK)
         except zmq.ZMQError as e:  # EHOSTUNREACH: gone; EAGAIN: not reading
@@ -251,7 +288,7 @@ class SchedulerServer:
         sched = self.scheduler
         assert sched is not None
         iids = self.router.requests_of(identity)
-        sched.abort_request(iids)
+        self.metrics.on_outputs(sched.abort_request(iids), time.time())
         for iid in iids:
             self.router.forget(iid)
 
@@ -261,7 +298,7 @@ class SchedulerServer:
             return
         for iid in self.router.all_requests():
             owner = self.router.owner(iid)
-            sched.abort_request([iid])
+            self.metrics.on_outputs(sched.abort_request([iid]), time.time())
             self.router.forget(iid)
             if owner is not None:
                 try:

@@ -28,11 +28,21 @@ import zmq.asyncio
 
 from shared.codec import MalformedFrameCounter, encode, safe_decode
 from shared.ipc import make_socket
-from shared.protocol import AbortRequest, AddRequest, RequestError, RequestOutput, RequestOutputs
+from services.tokenizer.engine_stats import EngineStatsView
+from shared.protocol import (
+    AbortRequest,
+    AddRequest,
+    EngineStats,
+    Heartbeat,
+    RequestError,
+    RequestOutput,
+    RequestOutputs,
+)
 from shared.sampling_params import SamplingParams
 
 log = logging.getLogger("pagoda.frontend.engine")
 SOCKET_NAME = "scheduler_frontend"
+HEARTBEAT_S = 1.0
 
 EngineEvent = RequestOutput | RequestError
 
@@ -65,8 +75,13 @@ class EngineClient:
         counter: MalformedFrameCounter,
         *,
         hwm: int | None = None,
+        stats: EngineStatsView | None = None,
+        heartbeat_s: float = HEARTBEAT_S,
     ) -> None:
         self.frontend_id = frontend_id
+        self.stats = stats
+        self._heartbeat_s = heartbeat_s
+        self._heartbeat_task: asyncio.Task[None] | None = None
         opts: dict[str, Any] = {} if hwm is None else {"sndhwm": hwm, "rcvhwm": hwm}
         self._sock = make_socket(ctx, zmq.DEALER, address, identity=frontend_id.encode(), **opts)
         self._counter = counter
@@ -77,12 +92,18 @@ class EngineClient:
     # -- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
         """Start the receive task (in the running loop)."""
+        loop = asyncio.get_running_loop()
         if self._recv_task is None:
-            self._recv_task = asyncio.get_running_loop().create_task(
-                self._receive_loop(), name="engine-client-recv"
-            )
+            self._recv_task = loop.create_task(self._receive_loop(), name="engine-client-recv")
+        if self._heartbeat_task is None:
+            self._heartbeat_task = loop.create_task(self._heartbeat_loop(), name="engine-client-heartbeat")
 
     async def close(self) -> None:
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._heartbeat_task
+            self._heartbeat_task = None
         if self._recv_task is not None:
             self._recv_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -129,6 +150,21 @@ class EngineClient:
                 self._mark_finished(self._requests[rid], index)
         await self._sock.send(encode(AbortRequest(held, index)))
 
+    async def _heartbeat_loop(self) -> None:
+        """Liveness both ways: the scheduler answers with EngineStats (our /health and
+        /metrics) and drops the requests of a frontend that falls silent."""
+        beat = encode(Heartbeat(self.frontend_id))
+        while True:
+            try:
+                await self._sock.send(beat, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # the scheduler is not reading; health goes stale on its own
+            except zmq.ZMQError as e:
+                if e.errno == zmq.ETERM:
+                    return
+                log.warning("heartbeat send failed: %s", e)
+            await asyncio.sleep(self._heartbeat_s)  # a period, not a synchronisation
+
     # -- receive --------------------------------------------------------------------------
     async def _receive_loop(self) -> None:
         while True:
@@ -141,12 +177,19 @@ class EngineClient:
                     return
                 log.warning("scheduler link receive failed: %s", e)
                 continue
-            msg = safe_decode(frames, SOCKET_NAME, (RequestOutputs, RequestError), self._counter)
+            msg = safe_decode(frames, SOCKET_NAME, (RequestOutputs, RequestError, EngineStats),
+                              self._counter)
             if msg is not None:
                 self._dispatch(msg)
 
-    def _dispatch(self, msg: RequestOutputs | RequestError) -> None:
+    def _dispatch(self, msg: RequestOutputs | RequestError | EngineStats) -> None:
+        if isinstance(msg, EngineStats):
+            if self.stats is not None:
+                self.stats.update(msg)
+            return
         if isinstance(msg, RequestError):
+            if msg.code == "engine_error" and self.stats is not None:
+                self.stats.mark_engine_dead(msg.message)
             req = self._requests.pop(msg.request_id, None)
             if req is not None:
                 req.queue.put_nowait(msg)

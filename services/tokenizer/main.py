@@ -36,6 +36,7 @@ import zmq.asyncio
 
 from pagoda.model_fetch import resolve_model
 from services.tokenizer.engine_client import EngineClient
+from services.tokenizer.engine_stats import EngineStatsView
 from services.tokenizer.input_processor import InputProcessor, load_limits, load_tokenizer
 from services.tokenizer.native_api import NativeApi
 from shared.codec import MalformedFrameCounter
@@ -69,6 +70,7 @@ class FrontendCore:
     processor: InputProcessor
     engine: EngineClient
     counter: MalformedFrameCounter
+    stats: EngineStatsView  # engine liveness (/health) and figures (/metrics)
 
 
 def make_frontend_id(index: int) -> str:
@@ -123,9 +125,10 @@ async def _run(config: PagodaConfig, ready_fd: int | None, signals: _Signals) ->
     frontend_id = make_frontend_id(proc.frontend_index)
     counter = MalformedFrameCounter(logging.getLogger("pagoda.frontend.wire"))
     ctx = zmq.asyncio.Context()
+    stats = EngineStatsView(frontend_id, counter)
     engine = EngineClient(ctx, config.endpoints.scheduler_frontend, frontend_id, counter,
-                          hwm=proc.socket_hwm)
-    core = FrontendCore(frontend_id, processor, engine, counter)
+                          hwm=proc.socket_hwm, stats=stats)
+    core = FrontendCore(frontend_id, processor, engine, counter, stats)
     apis: list[FrontendApi] = []
     try:
         apis = build_apis(core, ctx, config)
@@ -136,7 +139,7 @@ async def _run(config: PagodaConfig, ready_fd: int | None, signals: _Signals) ->
               f"max_model_len {limits.max_model_len}", flush=True)
         if ready_fd is not None:
             report_ready(ready_fd, role="frontend", frontend_id=frontend_id, native=native)
-        return await _serve_until_signal(apis, serving, proc.shutdown_timeout_s, signals)
+        return await _serve_until_signal(apis, serving, proc.shutdown_timeout_s, signals, stats)
     finally:
         for api in apis:
             await api.close()
@@ -148,7 +151,7 @@ async def _run(config: PagodaConfig, ready_fd: int | None, signals: _Signals) ->
 
 async def _serve_until_signal(
     apis: list[FrontendApi], serving: list[asyncio.Task[None]], drain_s: float,
-    signals: _Signals,
+    signals: _Signals, core_stats: EngineStatsView | None = None,
 ) -> int:
     loop = asyncio.get_running_loop()
     stop, force = signals.stop, signals.force
@@ -164,6 +167,8 @@ async def _serve_until_signal(
              sum(a.num_inflight for a in apis), drain_s)
     for api in apis:
         api.stop_accepting()
+    if core_stats is not None:
+        core_stats.set_draining()
     deadline = loop.time() + drain_s
     while rc == 0 and any(a.num_inflight for a in apis) and not force.is_set():
         if loop.time() >= deadline:
