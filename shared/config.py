@@ -133,6 +133,7 @@ class ProcessSettings:
     frontend_index: int = 0  # which frontend_native address a frontend process binds
     http_host: str = "127.0.0.1"
     http_port: int = 8000
+    http_max_body_bytes: int = 8 * 2**20  # larger HTTP request bodies get 413
     allow_wildcard_bind: bool = False  # only on an isolated network (compose internal net)
     socket_hwm: int = DEFAULT_HWM
     max_frame_bytes: int = MAX_FRAME_BYTES
@@ -144,6 +145,8 @@ class ProcessSettings:
             raise ConfigError("num_frontends must be >= 1 and frontend_index >= 0")
         if not 0 < self.http_port < 65536:
             raise ConfigError(f"http_port: must be in 1..65535, got {self.http_port}")
+        if self.http_max_body_bytes < 1024:
+            raise ConfigError(f"http_max_body_bytes: must be >= 1024, got {self.http_max_body_bytes}")
         if self.socket_hwm < 1 or self.max_frame_bytes < 1024:
             raise ConfigError("socket_hwm must be >= 1 and max_frame_bytes >= 1024")
         if self.startup_timeout_s <= 0 or self.shutdown_timeout_s < 0:
@@ -239,6 +242,8 @@ SETTINGS: tuple[Setting, ...] = (
             "which frontend_native address this frontend binds"),
     Setting("http_host", "process", str, _PROC.http_host, "HTTP API host"),
     Setting("http_port", "process", int, _PROC.http_port, "HTTP API port"),
+    Setting("http_max_body_bytes", "process", _parse_bytes, _PROC.http_max_body_bytes,
+            "largest HTTP request body accepted (larger: 413), e.g. 8MiB"),
     Setting("allow_wildcard_bind", "process", _parse_bool, _PROC.allow_wildcard_bind,
             "allow binding tcp://* or 0.0.0.0 (isolated networks only)"),
     Setting("socket_hwm", "process", int, _PROC.socket_hwm, "ZMQ high-water mark (messages)"),

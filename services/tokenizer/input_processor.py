@@ -132,6 +132,19 @@ class InputProcessor:
             )
         return token_ids
 
+    # -- the HTTP API's /tokenize and /detokenize use these directly -------------------------
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of ``text`` as a prompt is tokenized (special tokens included)."""
+        return self._tokenize(text)
+
+    def render_chat(self, req: GenerateRequest) -> str:
+        """``req.messages`` through the chat template, or ``InvalidRequest``."""
+        return self._render_chat(req)
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        self._check_vocab(token_ids, "tokens")
+        return str(self._require_tokenizer().decode(token_ids))
+
     def _render_chat(self, req: GenerateRequest) -> str:
         if not req.messages:
             raise InvalidRequest("messages must not be empty")

@@ -37,6 +37,7 @@ import zmq.asyncio
 from pagoda.model_fetch import resolve_model
 from services.tokenizer.engine_client import EngineClient
 from services.tokenizer.engine_stats import EngineStatsView
+from services.tokenizer.http_api import HttpApi
 from services.tokenizer.input_processor import InputProcessor, load_limits, load_tokenizer
 from services.tokenizer.native_api import NativeApi
 from shared.codec import MalformedFrameCounter
@@ -79,13 +80,19 @@ def make_frontend_id(index: int) -> str:
 
 
 def build_apis(core: FrontendCore, ctx: zmq.asyncio.Context, config: PagodaConfig) -> list[FrontendApi]:
-    """Every API this process serves; the HTTP API gets added here."""
+    """Every API this process serves: the native ZMQ API and the OpenAI-compatible HTTP API."""
     proc = config.process
-    native = NativeApi(
-        ctx, config.endpoints.frontend_native[proc.frontend_index], core.engine, core.processor,
-        core.counter, hwm=proc.socket_hwm, allow_wildcard=proc.allow_wildcard_bind,
-    )
-    return [native]
+    http = HttpApi(core, config)  # binds http_host:http_port (SO_REUSEPORT)
+    try:
+        native = NativeApi(
+            ctx, config.endpoints.frontend_native[proc.frontend_index], core.engine,
+            core.processor, core.counter, hwm=proc.socket_hwm,
+            allow_wildcard=proc.allow_wildcard_bind,
+        )
+    except BaseException:
+        http.discard()
+        raise
+    return [native, http]
 
 
 async def run_frontend(config: PagodaConfig, ready_fd: int | None = None) -> int:

@@ -61,10 +61,12 @@ class RunningRequest:
             if isinstance(event, RequestError):
                 raise RequestFailed(event.code, event.message)
             absorbed = state.absorb(event)
-            if absorbed.stop_string_hit:  # ended here; the scheduler would keep decoding it
-                await self._engine.abort([self.request_id], event.index)
+            # the output goes out before the abort's await, so a caller cancelled there
+            # (shutdown) has not lost it
             if absorbed.output is not None:
                 yield absorbed.output
+            if absorbed.stop_string_hit:  # ended here; the scheduler would keep decoding it
+                await self._engine.abort([self.request_id], event.index)
 
     async def abort(self, indices: Sequence[int] | None = None) -> list[GenerateOutput]:
         """End unfinished samples (all, or ``indices``) here and at the scheduler.

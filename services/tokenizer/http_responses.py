@@ -1,0 +1,168 @@
+"""OpenAI response objects of the HTTP API, built from the frontend's ``GenerateOutput``s.
+
+One ``ResponseBuilder`` per HTTP request shapes its outputs as a whole response
+(``text_completion`` / ``chat.completion``) or as SSE chunks (the same objects, chat as
+``chat.completion.chunk`` deltas). With several prompts and ``n`` samples each, choice
+``index`` is ``prompt_index * n + sample_index``, as OpenAI numbers them. Usage counts
+every prompt once and every sample's output tokens. Logprobs use OpenAI's two shapes:
+completions' ``tokens`` / ``token_logprobs`` / ``top_logprobs`` / ``text_offset`` and
+chat's ``content`` list; a token's text is its decoded string.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from shared.protocol import GenerateOutput, TokenLogprobs
+
+Kind = Literal["completion", "chat"]
+
+
+class ResponseBuilder:
+    """Response bodies and stream chunks of one completions or chat request."""
+
+    def __init__(self, kind: Kind, response_id: str, model: str, tokenizer: Any | None,
+                 n: int, *, echo: Sequence[str] | None = None, logprobs: bool = False,
+                 include_usage: bool = False) -> None:
+        self.kind, self.response_id, self.model = kind, response_id, model
+        self.created = int(time.time())
+        self.include_usage = include_usage
+        self._tokenizer = tokenizer
+        self._n = n
+        self._echo = list(echo) if echo is not None else None  # per prompt
+        self._logprobs = logprobs
+        self._prompt_tokens: dict[int, int] = {}  # prompt index -> tokens
+        self._output_tokens: dict[int, int] = {}  # choice index -> tokens so far
+        self._text_offset: dict[int, int] = {}  # choice index -> chars sent (completions)
+        self._started: set[int] = set()  # choices whose first chunk went out
+
+    # -- usage ------------------------------------------------------------------------------
+    def _note(self, prompt_index: int, out: GenerateOutput) -> int:
+        choice = prompt_index * self._n + out.index
+        self._prompt_tokens[prompt_index] = out.num_prompt_tokens
+        self._output_tokens[choice] = out.num_output_tokens
+        return choice
+
+    def usage(self) -> dict[str, Any]:
+        prompt = sum(self._prompt_tokens.values())
+        completion = sum(self._output_tokens.values())
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion}
+
+    # -- whole responses ------------------------------------------------------------------------
+    def whole(self, outputs: Sequence[tuple[int, GenerateOutput]]) -> dict[str, Any]:
+        """The non-streaming body, from each sample's single (final) output."""
+        choices = []
+        for prompt_index, out in outputs:
+            choice = self._note(prompt_index, out)
+            text = out.text
+            if self.kind == "completion":
+                if self._echo is not None:
+                    text = self._echo[prompt_index] + text
+                choices.append({"index": choice, "text": text,
+                                "logprobs": self._completion_logprobs(choice, out),
+                                "finish_reason": out.finish_reason,
+                                "stop_reason": out.stop_reason})
+            else:
+                choices.append({"index": choice,
+                                "message": {"role": "assistant", "content": text},
+                                "logprobs": self._chat_logprobs(out),
+                                "finish_reason": out.finish_reason,
+                                "stop_reason": out.stop_reason})
+        choices.sort(key=lambda c: c["index"])
+        return {"id": self.response_id, "object": self._object(chunk=False),
+                "created": self.created, "model": self.model, "choices": choices,
+                "usage": self.usage()}
+
+    # -- stream chunks ------------------------------------------------------------------------
+    def chunks(self, prompt_index: int, out: GenerateOutput) -> list[dict[str, Any]]:
+        """The SSE chunks for one streamed output (none for an empty delta)."""
+        choice = self._note(prompt_index, out)
+        first = choice not in self._started
+        self._started.add(choice)
+        if self.kind == "completion":
+            text = out.text
+            if first and self._echo is not None:
+                text = self._echo[prompt_index] + text
+            if not text and out.finish_reason is None and not (self._logprobs and out.token_ids):
+                return []
+            body = {"index": choice, "text": text,
+                    "logprobs": self._completion_logprobs(choice, out, len(text) - len(out.text)),
+                    "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
+            return [self._chunk(body)]
+        chunks = []
+        if first:  # OpenAI's first chat chunk of a choice carries only the role
+            chunks.append(self._chunk({"index": choice,
+                                       "delta": {"role": "assistant", "content": ""},
+                                       "logprobs": None, "finish_reason": None}))
+        if out.text or out.finish_reason is not None or (self._logprobs and out.token_ids):
+            delta = {"content": out.text} if out.text else {}
+            chunks.append(self._chunk({"index": choice, "delta": delta,
+                                       "logprobs": self._chat_logprobs(out),
+                                       "finish_reason": out.finish_reason,
+                                       "stop_reason": out.stop_reason}))
+        return chunks
+
+    def usage_chunk(self) -> dict[str, Any]:
+        """The last chunk with ``stream_options.include_usage``: no choices, the usage."""
+        return {"id": self.response_id, "object": self._object(chunk=True),
+                "created": self.created, "model": self.model, "choices": [],
+                "usage": self.usage()}
+
+    def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
+        chunk = {"id": self.response_id, "object": self._object(chunk=True),
+                 "created": self.created, "model": self.model, "choices": [choice]}
+        if self.include_usage:
+            chunk["usage"] = None  # OpenAI: null on every chunk but the last
+        return chunk
+
+    def _object(self, chunk: bool) -> str:
+        if self.kind == "completion":
+            return "text_completion"
+        return "chat.completion.chunk" if chunk else "chat.completion"
+
+    # -- logprobs ------------------------------------------------------------------------------
+    def _token_text(self, token_id: int) -> str:
+        if self._tokenizer is None:
+            return f"token_id:{token_id}"
+        return str(self._tokenizer.decode([token_id]))
+
+    def _completion_logprobs(self, choice: int, out: GenerateOutput,
+                             echo_chars: int = 0) -> dict[str, Any] | None:
+        if not self._logprobs:
+            return None
+        offset = self._text_offset.get(choice, 0) + echo_chars
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for token_id, lp in zip(out.token_ids, out.logprobs):
+            text = self._token_text(token_id)
+            tokens.append(text)
+            offsets.append(offset)
+            offset += len(text)
+            token_lps.append(None if lp is None else lp.logprob)
+            tops.append(None if lp is None else self._top_dict(token_id, lp))
+        self._text_offset[choice] = offset
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+                "text_offset": offsets}
+
+    def _top_dict(self, token_id: int, lp: TokenLogprobs) -> dict[str, float]:
+        top = {self._token_text(t): v for t, v in zip(lp.top_token_ids, lp.top_logprobs)}
+        top.setdefault(self._token_text(token_id), lp.logprob)
+        return top
+
+    def _chat_logprobs(self, out: GenerateOutput) -> dict[str, Any] | None:
+        if not self._logprobs:
+            return None
+        content = []
+        for token_id, lp in zip(out.token_ids, out.logprobs):
+            text = self._token_text(token_id)
+            entry: dict[str, Any] = {"token": text, "bytes": list(text.encode()),
+                                     "logprob": None if lp is None else lp.logprob,
+                                     "top_logprobs": []}
+            if lp is not None:
+                entry["top_logprobs"] = [
+                    {"token": (t := self._token_text(tid)), "bytes": list(t.encode()),
+                     "logprob": v} for tid, v in zip(lp.top_token_ids, lp.top_logprobs)]
+            content.append(entry)
+        return {"content": content}
