@@ -149,6 +149,9 @@ def serve(argv: list[str] | None = None) -> int:
         print(f"  scheduler: frontends {config.endpoints.scheduler_frontend}, steps "
               f"{config.endpoints.scheduler_step}, results {config.endpoints.scheduler_result}")
         print("  processes: " + " ".join(f"{c.name}={c.proc.pid}" for c in stack.children))
+        host = config.process.http_host
+        host = f"[{host}]" if ":" in host else host
+        print(f"  HTTP API: http://{host}:{config.process.http_port}/v1", flush=True)
         for i, address in enumerate(config.endpoints.frontend_native):
             print(f"  frontend {i} native API: {address}", flush=True)
         exit_code = 0

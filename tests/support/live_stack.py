@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -20,7 +21,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
-
 @dataclass
 class LiveStack:
     proc: subprocess.Popen[bytes]
@@ -28,6 +28,7 @@ class LiveStack:
     frontends: list[str] = field(default_factory=list)
     scheduler: dict[str, str] = field(default_factory=dict)
     pids: dict[str, int] = field(default_factory=dict)
+    http: str = ""  # the HTTP API's base URL (".../v1"), as the launcher prints it
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -48,22 +49,48 @@ class LiveStack:
         return Path(self.frontends[0][len("ipc://"):]).parent
 
 
-def start_stack(model_dir: Path, log_path: Path, num_frontends: int, *extra: str) -> LiveStack:
+def free_port() -> int:
+    """A TCP port nothing listens on right now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_stack(model_dir: Path, log_path: Path, num_frontends: int, *extra: str,
+                http_port: int | None = None) -> LiveStack:
+    """``pagoda serve``; every frontend serves HTTP on ``http_port`` (default: a free one,
+    so stacks never share the default port 8000)."""
     env = {**os.environ, "PAGODA_TESTING": "1", "PYTHONUNBUFFERED": "1"}
     log = open(log_path, "wb")
+    port = free_port() if http_port is None else http_port
     proc = subprocess.Popen(
         [sys.executable, "-m", "pagoda.cli", "serve", "--model", str(model_dir),
-         "--frontends", str(num_frontends), *extra],
+         "--frontends", str(num_frontends), "--http-port", str(port), *extra],
         stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
     )
     stack = LiveStack(proc, log_path)
     text = stack.wait_for_log(lambda t: f"frontend {num_frontends - 1} native API: " in t, timeout=300)
     stack.frontends = re.findall(r"frontend \d+ native API: (\S+)", text)
+    m = re.search(r"HTTP API: (\S+)", text)
+    assert m, text
+    stack.http = m.group(1)
     m = re.search(r"scheduler: frontends (\S+), steps (\S+), results (\S+)", text)
     assert m, text
     stack.scheduler = {"frontend": m.group(1), "step": m.group(2), "result": m.group(3)}
     stack.pids = {k: int(v) for k, v in re.findall(r"(\S+)=(\d+)", text.split("processes:")[1].splitlines()[0])}
     return stack
+
+
+IDLE = re.compile(r"idle: running=(\d+) waiting=(\d+) kv_usage=([0-9.]+) .* invariant_failures=(\d+)")
+
+
+def assert_idle_and_clean(stack: LiveStack, after: int) -> None:
+    """The scheduler's last idle line since log offset ``after``: nothing running or
+    waiting, every KV block back, block accounting intact."""
+    text = stack.wait_for_log(lambda t: IDLE.search(t) is not None, after=after)
+    m = list(IDLE.finditer(text))[-1]
+    got = (int(m.group(1)), int(m.group(2)), float(m.group(3)), int(m.group(4)))
+    assert got == (0, 0, 0.0, 0), m.group(0)
 
 
 def stop_stack(stack: LiveStack) -> None:
