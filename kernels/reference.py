@@ -12,6 +12,8 @@ A token at logical position ``p`` of a sequence lives in physical block
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -49,6 +51,37 @@ def gather_kv(
     return blocks.flatten(0, 1)[:seq_len]
 
 
+@dataclass
+class DecodePlan:
+    """What every layer's batched decode shares within one step (built once per step)."""
+
+    block_index: torch.Tensor  # [batch, max_blocks] int64: physical block of each logical one
+    # [batch, 1, 1, padded_len] additive (0 / -inf) in the query dtype, None when every
+    # sequence fills its padded length (nothing to mask)
+    mask: torch.Tensor | None
+    padded_len: int
+
+
+def make_decode_plan(
+    block_tables: torch.Tensor,  # [batch, max_blocks_per_seq] int
+    seq_lens: torch.Tensor,  # [batch] int
+    max_seq_len: int,
+    block_size: int,
+    dtype: torch.dtype,
+) -> DecodePlan:
+    max_blocks = (max_seq_len + block_size - 1) // block_size
+    padded_len = max_blocks * block_size
+    block_index = block_tables[:, :max_blocks].long()
+    mask = None
+    if bool((seq_lens != padded_len).any()):
+        positions = torch.arange(padded_len, device=seq_lens.device)
+        valid = positions[None, :] < seq_lens[:, None]  # [batch, padded_len]
+        mask = torch.zeros(valid.shape, dtype=dtype, device=seq_lens.device)
+        mask.masked_fill_(~valid, float("-inf"))
+        mask = mask[:, None, None, :]
+    return DecodePlan(block_index, mask, padded_len)
+
+
 def paged_decode_attention(
     query: torch.Tensor,  # [batch, num_heads, head_dim]: one new token per sequence
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -57,33 +90,37 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,  # [batch] int: tokens in the cache, the new one included
     max_seq_len: int,
     scale: float,
+    plan: DecodePlan | None = None,  # the same step's plan, shared by every layer
 ) -> torch.Tensor:  # [batch, num_heads, head_dim]
     """Batched decode over padded gathered K/V; no Python loop over sequences.
 
     The query heads that share a KV head are laid out as that head's query rows
     ([batch, kv_heads, group, head_dim]), so K/V are gathered once per KV head
-    and no causal mask is needed: a decode token sees its whole context.
+    and no causal mask is needed: a decode token sees its whole context. Blocks are
+    gathered with ``index_select`` on the block dimension (contiguous block copies;
+    advanced indexing over the 4-D cache is several times slower on the CPU).
     """
     batch, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    max_blocks = (max_seq_len + block_size - 1) // block_size
-    padded_len = max_blocks * block_size
+    if plan is None:
+        plan = make_decode_plan(block_tables, seq_lens, max_seq_len, block_size, query.dtype)
+    padded_len = plan.padded_len
     rows_per_chunk = max(1, _DECODE_GATHER_ELEMS // (padded_len * num_kv_heads * head_dim))
     out = torch.empty_like(query)
-    positions = torch.arange(padded_len, device=query.device)
     for start in range(0, batch, rows_per_chunk):
         end = min(batch, start + rows_per_chunk)
-        table = block_tables[start:end, :max_blocks].long()  # [b, max_blocks]
-        # [b, max_blocks, block_size, kv_heads, D] -> [b, kv_heads, padded_len, D]
-        k = k_cache[table].flatten(1, 2).transpose(1, 2)
-        v = v_cache[table].flatten(1, 2).transpose(1, 2)
-        q = query[start:end].view(end - start, num_kv_heads, group, head_dim)
-        mask = positions[None, :] < seq_lens[start:end, None]  # [b, padded_len]
+        b = end - start
+        blocks = plan.block_index[start:end].reshape(-1)
+        # [b * max_blocks, block_size, kv_heads, D] -> [b, kv_heads, padded_len, D]
+        k = k_cache.index_select(0, blocks).view(b, padded_len, num_kv_heads, head_dim).transpose(1, 2)
+        v = v_cache.index_select(0, blocks).view(b, padded_len, num_kv_heads, head_dim).transpose(1, 2)
+        q = query[start:end].view(b, num_kv_heads, group, head_dim)
+        mask = None if plan.mask is None else plan.mask[start:end]
         o = F.scaled_dot_product_attention(
-            q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask[:, None, None, :], scale=scale
+            q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale
         )
-        out[start:end] = o.reshape(end - start, num_heads, head_dim)
+        out[start:end] = o.reshape(b, num_heads, head_dim)
     return out
 
 

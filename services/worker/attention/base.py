@@ -12,7 +12,8 @@ after a prefix-cache hit), so a backend can treat each group in one piece.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -30,6 +31,8 @@ class AttentionMetadata:
     # host copies, so a backend can split work without a device sync
     query_start_loc_host: list[int]
     seq_lens_host: list[int]
+    # per-step work a backend shares between layers (e.g. a gather plan); starts empty
+    backend_state: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:

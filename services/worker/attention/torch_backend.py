@@ -31,9 +31,14 @@ class TorchAttentionBackend(AttentionBackend):
         nd = meta.num_decodes
         if nd:
             max_decode_len = max(meta.seq_lens_host[:nd])
+            plan = meta.backend_state.get("torch_decode_plan")
+            if plan is None:  # the first layer of the step builds it for all the others
+                plan = reference.make_decode_plan(meta.block_tables[:nd], meta.seq_lens[:nd],
+                                                  max_decode_len, k_cache.shape[1], query.dtype)
+                meta.backend_state["torch_decode_plan"] = plan
             out[:nd] = reference.paged_decode_attention(
                 query[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
-                max_decode_len, scale,
+                max_decode_len, scale, plan,
             )
         qsl = meta.query_start_loc_host
         for i in range(nd, meta.num_seqs):
