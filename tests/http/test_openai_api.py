@@ -73,9 +73,9 @@ def test_models_health_tokenize_docs(http_stack: LiveStack, smollm2_dir: Path, o
 
 def test_completions_match_offline_sync(http_stack: LiveStack, smollm2_dir: Path,
                                         offline: Any) -> None:
-    expected = offline.generate(PROMPTS, greedy(12), use_tqdm=False)
+    expected = offline.generate(PROMPTS, greedy(6), use_tqdm=False)
     client = sync_client(http_stack)
-    got = client.completions.create(model=str(smollm2_dir), prompt=PROMPTS, max_tokens=12,
+    got = client.completions.create(model=str(smollm2_dir), prompt=PROMPTS, max_tokens=6,
                                     temperature=0.0)
     assert [c.index for c in got.choices] == [0, 1]
     for choice, exp in zip(got.choices, expected):
@@ -86,18 +86,18 @@ def test_completions_match_offline_sync(http_stack: LiveStack, smollm2_dir: Path
     assert got.usage.completion_tokens == sum(len(e.outputs[0].token_ids) for e in expected)
     # token ids in, echo on: the same tokens, the prompt text in front
     ids = expected[0].prompt_token_ids
-    echoed = client.completions.create(model="smollm2", prompt=ids, max_tokens=12,
+    echoed = client.completions.create(model="smollm2", prompt=ids, max_tokens=6,
                                        temperature=0.0, echo=True)
     assert echoed.choices[0].text == PROMPTS[0] + expected[0].outputs[0].text
 
 
 def test_completions_stream_async_with_usage(http_stack: LiveStack, offline: Any) -> None:
-    expected = offline.generate([PROMPTS[1]], greedy(16), use_tqdm=False)[0]
+    expected = offline.generate([PROMPTS[1]], greedy(8), use_tqdm=False)[0]
 
     async def run() -> tuple[str, list[Any]]:
         client = async_client(http_stack)
         stream = await client.completions.create(
-            model="smollm2", prompt=PROMPTS[1], max_tokens=16, temperature=0.0, stream=True,
+            model="smollm2", prompt=PROMPTS[1], max_tokens=8, temperature=0.0, stream=True,
             stream_options={"include_usage": True})
         chunks = [chunk async for chunk in stream]
         return "".join(c.choices[0].text for c in chunks if c.choices), chunks
@@ -113,9 +113,9 @@ def test_completions_stream_async_with_usage(http_stack: LiveStack, offline: Any
 
 def test_chat_matches_offline_chat_sync_and_async_stream(http_stack: LiveStack,
                                                          offline: Any) -> None:
-    expected = offline.chat(CHAT, greedy(20), use_tqdm=False)[0]
+    expected = offline.chat(CHAT, greedy(8), use_tqdm=False)[0]
     got = sync_client(http_stack).chat.completions.create(
-        model="smollm2", messages=CHAT, max_completion_tokens=20, temperature=0.0)  # type: ignore[arg-type]
+        model="smollm2", messages=CHAT, max_completion_tokens=8, temperature=0.0)  # type: ignore[arg-type]
     assert got.choices[0].message.role == "assistant"
     assert got.choices[0].message.content == expected.outputs[0].text
     assert got.usage is not None and got.usage.prompt_tokens == len(expected.prompt_token_ids)
@@ -123,7 +123,7 @@ def test_chat_matches_offline_chat_sync_and_async_stream(http_stack: LiveStack,
 
     async def run() -> list[Any]:
         stream = await async_client(http_stack).chat.completions.create(
-            model="smollm2", messages=CHAT, max_tokens=20, temperature=0.0, stream=True)  # type: ignore[arg-type]
+            model="smollm2", messages=CHAT, max_tokens=8, temperature=0.0, stream=True)  # type: ignore[arg-type]
         return [chunk async for chunk in stream]
 
     chunks = asyncio.run(run())
@@ -137,12 +137,12 @@ def test_n2_with_seed_is_reproducible(http_stack: LiveStack) -> None:
 
     def sample() -> Any:
         return client.completions.create(model="smollm2", prompt=PROMPTS[0], n=2, seed=1234,
-                                         temperature=1.0, max_tokens=10)
+                                         temperature=1.0, max_tokens=4)
 
     first, second = sample(), sample()
     assert [c.index for c in first.choices] == [0, 1]
     assert [c.text for c in first.choices] == [c.text for c in second.choices]
-    assert first.usage is not None and first.usage.completion_tokens == 20
+    assert first.usage is not None and first.usage.completion_tokens == 8
 
 
 BIG = b'{"prompt": "' + b"a" * (9 * 2**20) + b'"}'
@@ -184,11 +184,11 @@ def check_error(r: httpx.Response, status: int, param: str | None, words: list[s
 
 def test_bad_requests_get_openai_errors_while_a_stream_completes(
         http_stack: LiveStack, offline: Any) -> None:
-    expected = offline.generate([PROMPTS[0]], greedy(40), use_tqdm=False)[0].outputs[0].text
+    expected = offline.generate([PROMPTS[0]], greedy(16), use_tqdm=False)[0].outputs[0].text
 
     async def run() -> str:
         stream = await async_client(http_stack).completions.create(
-            model="smollm2", prompt=PROMPTS[0], max_tokens=40, temperature=0.0, stream=True)
+            model="smollm2", prompt=PROMPTS[0], max_tokens=16, temperature=0.0, stream=True)
         parts = [(await stream.__anext__()).choices[0].text]  # in flight from here on
         async with httpx.AsyncClient(base_url=http_stack.http, timeout=60) as http:
             for name, path, body, status, param, words in BAD:
