@@ -74,9 +74,25 @@ def _chat(args: argparse.Namespace) -> int:
 
 
 def _health(address: str, timeout: float) -> int:
-    """A container health probe: can we open a TCP connection to the bound socket?"""
+    """A container health probe: ``http(s)://...`` must answer GET with 200 (the HTTP
+    API's truthful /health); ``tcp://host:port`` must accept a connection."""
     import socket
 
+    if address.startswith(("http://", "https://")):
+        import urllib.error
+        import urllib.request
+
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # no env proxies
+        try:
+            with opener.open(address, timeout=timeout) as response:
+                status = response.status
+        except urllib.error.HTTPError as e:  # 503: draining or the engine unreachable
+            print(f"pagoda health: {address}: {e.code} {e.read()[:200]!r}", file=sys.stderr)
+            return 1
+        except (OSError, ValueError) as e:
+            print(f"pagoda health: {address}: {e}", file=sys.stderr)
+            return 1
+        return 0 if status == 200 else 1
     host, _, port = address.removeprefix("tcp://").rpartition(":")
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout).close()

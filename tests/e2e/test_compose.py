@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 
@@ -68,6 +69,7 @@ def test_compose_file_shape() -> None:
             assert str(port).startswith("127.0.0.1:"), f"{name} publishes {port} beyond loopback"
         if name != "tokenizer":
             assert not svc.get("ports"), f"{name} must publish nothing"
+    assert "127.0.0.1:8000-8001:8000" in main["services"]["tokenizer"]["ports"]
 
 
 def _local_env(env: dict[str, Any], services: list[str], replica: int) -> dict[str, str]:
@@ -78,6 +80,8 @@ def _local_env(env: dict[str, Any], services: list[str], replica: int) -> dict[s
             text = text.replace(f"tcp://{svc}:", "tcp://127.0.0.1:")
         if key == "PAGODA_FRONTEND_NATIVE" and replica:
             text = re.sub(r":(\d+)$", lambda m: f":{int(m.group(1)) + replica}", text)
+        if key == "PAGODA_HTTP_PORT":
+            text = str(int(text) + replica)
         out[key] = text
     out["PAGODA_CACHE"] = str(default_cache_dir())  # the model-cache volume
     return out
@@ -115,7 +119,8 @@ def test_compose_services_serve_requests(smollm2_dir: Path, tmp_path: Path) -> N
                                               stdout=log, stderr=subprocess.STDOUT))
                 if "healthcheck" in svc:
                     probe = [str(x) for x in svc["healthcheck"]["test"]]
-                    probe = [re.sub(r":(\d+)$", lambda m: f":{int(m.group(1)) + replica}", x) for x in probe]
+                    probe = [re.sub(r":(\d+)(/|$)", lambda m: f":{int(m.group(1)) + replica}{m.group(2)}", x)
+                             for x in probe]
                     if name != "scheduler":  # the scheduler is healthy only once the worker is up
                         _wait_healthy(probe, env, procs)
                     else:
@@ -128,6 +133,11 @@ def test_compose_services_serve_requests(smollm2_dir: Path, tmp_path: Path) -> N
             with Client(f"tcp://127.0.0.1:{port}", timeout=300) as client:
                 got = client.generate(prompt, temperature=0.0, max_tokens=12)
             assert got.outputs[0].token_ids == expected[0].outputs[0].token_ids
+        for port in (8000, 8001):  # the published HTTP API of each replica
+            answer = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=300, json={
+                "prompt": prompt, "temperature": 0.0, "max_tokens": 12})
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["choices"][0]["text"] == expected[0].outputs[0].text
     finally:
         for p in reversed(procs):
             if p.poll() is None:
