@@ -27,7 +27,8 @@ def _build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for role, text in (("serve", "run the whole stack locally (pagoda serve --help)"),
                        ("scheduler", "run the scheduler alone"), ("worker", "run one worker rank"),
-                       ("frontend", "run one tokenizer frontend")):
+                       ("frontend", "run one tokenizer frontend"),
+                       ("bench", "benchmark throughput and latency (pagoda bench --help)")):
         sub.add_parser(role, help=text, add_help=False)
     fetch = sub.add_parser("fetch", help="fetch a model alias into the cache, print its directory")
     fetch.add_argument("name", nargs="?", default="smollm2")
@@ -108,6 +109,7 @@ _ROLES = {
     "scheduler": ("services.scheduler.main", "main"),
     "worker": ("services.worker.main", "main"),
     "frontend": ("services.tokenizer.main", "main"),
+    "bench": ("pagoda.bench.cli", "main"),
 }
 
 

@@ -2,7 +2,7 @@
 
     python -m pagoda.pipeline_bench [--model smollm2] [--requests 64] [--frontends 2]
 
-The workload is ``services.scheduler.bench``'s (seeded prompts cut from real text,
+The workload is ``pagoda.bench.workload``'s (seeded prompts cut from real text,
 exact output lengths through ``ignore_eos``, greedy). First the offline ``LLM`` runs it
 in this process; then a local stack (``pagoda serve``'s launcher: worker, scheduler,
 frontends over ipc://) serves the same requests, all sent at once through the async
@@ -16,9 +16,10 @@ import argparse
 import asyncio
 import time
 
+from pagoda.bench.workload import Workload, make_workload
 from pagoda.launcher import Stack
 from pagoda.model_fetch import resolve_model
-from services.scheduler.bench import Workload, bench_llm_outputs, make_workload
+from services.scheduler.bench import bench_llm_outputs
 from shared.config import Endpoints, load_config
 from shared.ipc import private_run_dir
 

@@ -9,7 +9,8 @@ step (``schedule()`` + a runner that returns a fixed token + ``update()``) is ti
 no model runs, so the figure is the scheduler's own cost per step.
 
 ``llm``: a seeded workload of mixed prompt and output lengths (exact output lengths
-through ``ignore_eos``) through ``LLM.generate``, beside HF transformers ``generate``
+through ``ignore_eos``; ``pagoda.bench.workload``) through ``LLM.generate``, beside HF
+transformers ``generate`` (``pagoda.bench.baseline_hf``)
 on the same requests in the same run, in static batches of each given size (left
 padding, ``min_new_tokens = max_new_tokens`` = the batch's longest output; only the
 requested tokens count). The ratio is against HF's best batch size.
@@ -22,8 +23,9 @@ import gc
 import random
 import statistics
 import time
-from dataclasses import dataclass
 
+from pagoda.bench.baseline_hf import bench_hf_static
+from pagoda.bench.workload import Workload, make_workload
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
 from shared.protocol import StepBatch, StepResult
 from shared.sampling_params import SamplingParams
@@ -83,26 +85,6 @@ def bench_step(num_running: int, steps: int, seed: int = 0) -> float:
     return statistics.median(times)
 
 
-@dataclass
-class Workload:
-    prompts: list[list[int]]
-    output_lens: list[int]
-
-
-def make_workload(tokenizer, num: int, prompt_range: tuple[int, int], output_range: tuple[int, int],  # type: ignore[no-untyped-def]
-                  seed: int = 0) -> Workload:
-    """Prompts cut from real text (this module's docstring, repeated), seeded lengths."""
-    rng = random.Random(seed)
-    text_ids = tokenizer((__doc__ or "") * 40)["input_ids"]
-    prompts, outs = [], []
-    for _ in range(num):
-        length = rng.randint(*prompt_range)
-        start = rng.randrange(0, len(text_ids) - length)
-        prompts.append(text_ids[start : start + length])
-        outs.append(rng.randint(*output_range))
-    return Workload(prompts, outs)
-
-
 def bench_llm_outputs(model: str, work: Workload) -> tuple[float, list[list[int]]]:
     """Output tokens per second of LLM.generate on the workload, and the tokens."""
     from pagoda.llm import LLM
@@ -120,26 +102,6 @@ def bench_llm_outputs(model: str, work: Workload) -> tuple[float, list[list[int]
 
 def bench_llm(model: str, work: Workload) -> float:
     return bench_llm_outputs(model, work)[0]
-
-
-def bench_hf_static(model_dir: str, work: Workload, batch_size: int) -> float:
-    """Useful output tokens per second of HF generate in static batches (left padding)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    pad = hf.config.eos_token_id if isinstance(hf.config.eos_token_id, int) else 0
-    t0 = time.perf_counter()
-    for start in range(0, len(work.prompts), batch_size):
-        prompts = work.prompts[start : start + batch_size]
-        new = max(work.output_lens[start : start + batch_size])
-        width = max(len(p) for p in prompts)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-        with torch.inference_mode():
-            hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                        do_sample=False, pad_token_id=pad)
-    return sum(work.output_lens) / (time.perf_counter() - t0)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,11 @@
+"""``pagoda bench``: throughput and latency of pagoda, beside HF transformers and the
+machine's limit, in one run.
+
+Modules, one job each: ``workload`` (the requests: seeded synthetic or a JSONL file),
+``stats`` (client-side timestamps -> tok/s, TTFT/ITL/TPOT/E2E percentiles),
+``runner_offline`` (the in-process engine, step by step), ``runner_online`` (a running
+server over HTTP or ZMQ, /metrics scraped), ``launch`` (a local stack for the run),
+``baseline_hf`` (HF ``generate``: one at a time and static batches), ``roofline``
+(measured FLOP/s and bandwidth -> the decode ceiling), ``report`` (JSON, text, PNG),
+``cli`` (the command line).
+"""

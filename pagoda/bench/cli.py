@@ -1,0 +1,187 @@
+"""``pagoda bench``: throughput and latency of pagoda, beside HF transformers and the
+machine's limit, in one run.
+
+    pagoda bench                                    # offline, the default workload
+    pagoda bench --launch --max-concurrency 64      # a local stack, over HTTP
+    pagoda bench --launch --transport zmq           # ... over the native ZMQ API
+    pagoda bench --url http://host:8000/v1 --request-rate 4
+    pagoda bench --baseline hf --roofline --output-json r.json --output-png r.png
+
+Default workload: SmolLM2, 64 requests, prompts uniform in [32, 512] tokens cut from
+real text, outputs uniform in [16, 256] tokens (exact, through ``ignore_eos``), greedy,
+all sent at once. ``--dataset FILE`` takes prompts from a JSONL file instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from pagoda.bench.workload import LengthDist, Workload, load_jsonl, make_workload
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pagoda bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2", help="smollm2 or a local HF directory")
+    w = p.add_argument_group("workload")
+    w.add_argument("--num-requests", type=int, default=64)
+    w.add_argument("--prompt-len", type=LengthDist.parse, default=LengthDist(32, 512),
+                   help="uniform:a,b or fixed:n (tokens)")
+    w.add_argument("--output-len", type=LengthDist.parse, default=LengthDist(16, 256),
+                   help="uniform:a,b or fixed:n (tokens; exact)")
+    w.add_argument("--dataset", default=None, help="JSONL of {'prompt': ...} or ShareGPT conversations")
+    w.add_argument("--seed", type=int, default=0)
+    m = p.add_argument_group("mode (default: offline, in this process)")
+    m.add_argument("--launch", action="store_true", help="start a local stack for the run")
+    m.add_argument("--url", default=None, help="a running server's OpenAI API base, e.g. http://127.0.0.1:8000/v1")
+    m.add_argument("--native", action="append", default=None, metavar="ADDR",
+                   help="a running frontend's native ZMQ address (repeatable); implies --transport zmq")
+    m.add_argument("--transport", choices=("http", "zmq"), default=None,
+                   help="online transport (default http; zmq with --native)")
+    m.add_argument("--metrics-url", default=None, help="default: <url without /v1>/metrics")
+    m.add_argument("--frontends", type=int, default=1, help="frontends of a --launch stack")
+    a = p.add_argument_group("arrival")
+    a.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="Poisson arrivals per second (seeded); inf = all at once")
+    a.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
+    e = p.add_argument_group("engine (offline and --launch)")
+    e.add_argument("--max-num-seqs", type=int, default=None)
+    e.add_argument("--max-num-batched-tokens", type=int, default=None)
+    e.add_argument("--kv-cache-bytes", type=int, default=None)
+    c = p.add_argument_group("comparisons and output")
+    c.add_argument("--baseline", choices=("hf",), default=None, help="HF transformers generate, same requests")
+    c.add_argument("--hf-batch-sizes", default="1,8,16,32,64", help="1 = one request at a time")
+    c.add_argument("--roofline", action="store_true", help="measure FLOP/s and bandwidth; print the fraction")
+    c.add_argument("--device", default="cpu", help="device of the roofline measurement")
+    c.add_argument("--output-json", default=None)
+    c.add_argument("--output-png", default=None)
+    c.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def _mode(args: argparse.Namespace) -> str:
+    if args.native:
+        return "zmq"
+    if args.launch or args.url:
+        return args.transport or "http"
+    if args.transport:
+        raise SystemExit("pagoda bench: --transport needs --launch, --url or --native")
+    return "offline"
+
+
+def _engine_settings(args: argparse.Namespace) -> dict[str, Any]:
+    keys = ("max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes")
+    return {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
+
+
+def load_workload(args: argparse.Namespace, model_dir: Path, tokenizer: Any) -> Workload:
+    if args.dataset:
+        return load_jsonl(args.dataset, tokenizer, args.num_requests, args.output_len, args.seed)
+    vocab = json.loads((model_dir / "config.json").read_text()).get("vocab_size")
+    return make_workload(tokenizer, args.num_requests, args.prompt_len, args.output_len,
+                         args.seed, vocab_size=vocab)
+
+
+def _tokenizer(model_dir: Path) -> Any:
+    """The model's tokenizer, or None for a model without one (then token-id prompts)."""
+    if not any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from pagoda.bench.report import build_report
+    from pagoda.model_fetch import resolve_model
+
+    mode, progress = _mode(args), not args.no_progress
+    model_dir = resolve_model(args.model)
+    roofline_machine = None
+    if args.roofline:  # measured first, on an idle machine
+        from pagoda.bench.roofline import measure_machine
+
+        roofline_machine = measure_machine(args.device)
+    if mode == "offline":
+        from pagoda.bench.runner_offline import run_offline, warm_up
+        from pagoda.llm import LLM
+
+        llm = LLM(str(model_dir), **_engine_settings(args))
+        work = load_workload(args, model_dir, llm.tokenizer)
+        warm_up(llm, work)
+        records, scheduler = run_offline(llm, work, args.request_rate, args.max_concurrency,
+                                         args.seed, progress)
+        del llm  # free its KV cache before the baseline loads another copy of the model
+    else:
+        work = load_workload(args, model_dir, _tokenizer(model_dir))
+        records, scheduler = _run_online(args, mode, str(model_dir), work, progress)
+    hf = None
+    if args.baseline == "hf":
+        from pagoda.bench.baseline_hf import run_hf_baseline
+
+        hf = run_hf_baseline(str(model_dir), work, [int(x) for x in args.hf_batch_sizes.split(",")],
+                             progress)
+    config = {
+        "model": args.model, "model_dir": str(model_dir), "mode": mode,
+        "launch": bool(args.launch), "num_requests": len(work),
+        "prompt_len": None if args.dataset else str(args.prompt_len),
+        "output_len": str(args.output_len), "dataset": args.dataset, "seed": args.seed,
+        "request_rate": args.request_rate if args.request_rate != float("inf") else None,
+        "max_concurrency": args.max_concurrency, "engine": _engine_settings(args),
+    }
+    report = build_report(config, records, scheduler, hf)
+    if roofline_machine is not None:
+        from pagoda.bench.roofline import ceiling, count_parameters
+
+        # the engine computes in fp32 on the CPU (PERFORMANCE.md); bf16/fp16 on a GPU
+        bytes_per_param = 4 if args.device == "cpu" else 2
+        report["roofline"] = ceiling(roofline_machine, count_parameters(model_dir), bytes_per_param,
+                                     report["pagoda"])
+    return report
+
+
+def _run_online(args: argparse.Namespace, mode: str, model_dir: str, work: Workload,
+                progress: bool) -> tuple[list[Any], dict[str, Any]]:
+    from pagoda.bench.runner_online import HttpSender, ZmqSender, bench_online
+
+    def go(url: str | None, native: tuple[str, ...], metrics_url: str | None) -> Any:
+        def make() -> Any:
+            if mode == "zmq":
+                return ZmqSender(native)
+            return HttpSender(url or "http://127.0.0.1:8000/v1")
+        return asyncio.run(bench_online(make, work, metrics_url, args.request_rate,
+                                        args.max_concurrency, args.seed, progress, f"pagoda {mode}"))
+
+    if args.launch:
+        from pagoda.bench.launch import launched_stack
+
+        with launched_stack(model_dir, args.frontends, _engine_settings(args)) as stack:
+            return go(stack.http_base, stack.native, args.metrics_url or stack.metrics_url)  # type: ignore[no-any-return]
+    metrics = args.metrics_url
+    if metrics is None and args.url:
+        metrics = args.url.rstrip("/").removesuffix("/v1") + "/metrics"
+    return go(args.url, tuple(args.native or ()), metrics)  # type: ignore[no-any-return]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from pagoda.bench.report import format_text, write_json, write_png
+
+    report = run(args)
+    print(format_text(report), flush=True)
+    if args.output_json:
+        write_json(report, args.output_json)
+        print(f"wrote {args.output_json}")
+    if args.output_png:
+        write_png(report, args.output_png)
+        print(f"wrote {args.output_png}")
+    return 0 if report["pagoda"]["num_completed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""A benchmark's results: the JSON document, the text summary and the PNG.
+
+The JSON (``build_report``) holds the run's configuration, pagoda's figures (throughput,
+latency distributions in seconds, scheduler statistics), the HF baseline and the
+roofline when asked for, the ratios between them, and the raw samples behind the plot.
+The PNG (matplotlib, Agg backend: no display needed) has one CDF per latency and the
+output throughput over time.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from pagoda.bench.stats import RequestRecord, record_lists, summarize, throughput_over_time
+
+LATENCIES = (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s", "E2E latency"))
+
+
+def build_report(config: dict[str, Any], records: list[RequestRecord], scheduler: dict[str, Any],
+                 hf: dict[str, Any] | None = None, roofline: dict[str, Any] | None = None
+                 ) -> dict[str, Any]:
+    pagoda = {**summarize(records), "scheduler": scheduler}
+    comparison = None
+    if hf is not None:
+        bs1 = hf.get("one_at_a_time")
+        comparison = {
+            "output_tok_s_ratio_vs_hf_best": _ratio(pagoda["output_tok_s"], hf["best_output_tok_s"]),
+            # < 1 is faster; a bs1 comparison needs pagoda run at --max-concurrency 1
+            "tpot_p50_ratio_vs_hf_bs1": _ratio(pagoda["tpot_s"]["p50"], bs1["tpot_s"]["p50"]) if bs1 else None,
+            "pagoda_max_concurrency": config.get("max_concurrency"),
+        }
+    t, tok_s = throughput_over_time(records)
+    return {
+        "config": config,
+        "pagoda": pagoda,
+        "baseline_hf": hf,
+        "comparison": comparison,
+        "roofline": roofline,
+        "samples": {**record_lists(records),
+                    "throughput_over_time": {"t_s": t, "output_tok_s": tok_s}},
+    }
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or not b or math.isnan(a) or math.isnan(b):
+        return None
+    return a / b
+
+
+def write_json(report: dict[str, Any], path: str | Path) -> None:
+    # NaN is not JSON: an empty distribution becomes null
+    Path(path).write_text(json.dumps(_finite(report), indent=2) + "\n", encoding="utf-8")
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def format_text(report: dict[str, Any]) -> str:
+    p, cfg = report["pagoda"], report["config"]
+    lines = [
+        f"pagoda bench: {cfg['mode']}, model {cfg['model']}, {p['num_requests']} requests "
+        f"({p['num_failed']} failed), {p['prompt_tokens']} prompt + {p['output_tokens']} output tokens",
+        f"  duration {p['duration_s']:.2f} s, mean in flight {_f(p['mean_in_flight'])}",
+        f"  output {_f(p['output_tok_s'])} tok/s, total {_f(p['total_tok_s'])} tok/s, "
+        f"{_f(p['requests_s'], 3)} req/s",
+        f"  {'ms':<6}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}",
+    ]
+    for key, name in LATENCIES:
+        d = p[key]
+        lines.append(f"  {name[:6]:<6}" + "".join(f"{_f(d[k] * 1e3 if d[k] is not None else None):>10}"
+                                               for k in ("mean", "p50", "p90", "p99")))
+    s = p["scheduler"]
+    lines.append(f"  scheduler: KV usage peak {_pct(s['kv_usage_peak'])}, preemptions "
+                 f"{_f(s['num_preemptions'], 0)}, prefix-cache hits {_f(s['prefix_cache_hits'], 0)}"
+                 f"/{_f(s['prefix_cache_queries'], 0)} tokens ({_pct(s['prefix_cache_hit_rate'])})")
+    hf, cmp = report["baseline_hf"], report["comparison"]
+    if hf is not None and cmp is not None:
+        ways = ", ".join(f"bs{k} {_f(v)}" for k, v in hf["static_batch_output_tok_s"].items())
+        lines.append(f"  HF generate output tok/s: {ways}; best bs{hf['best_batch_size']}")
+        lines.append(f"  pagoda / HF best: {_f(cmp['output_tok_s_ratio_vs_hf_best'], 2)}x")
+        if cmp["tpot_p50_ratio_vs_hf_bs1"] is not None:
+            lines.append(f"  TPOT p50 pagoda / HF one-at-a-time: {_f(cmp['tpot_p50_ratio_vs_hf_bs1'], 2)} "
+                         f"(pagoda at max concurrency {cmp['pagoda_max_concurrency'] or 'unlimited'})")
+    r = report["roofline"]
+    if r is not None:
+        lines.append(f"  machine: fp32 matmul {r['matmul_flops'] / 1e9:.1f} GFLOP/s, memory read "
+                     f"{r['mem_read_bytes_s'] / 1e9:.1f} GB/s; model {r['params'] / 1e6:.1f} M params "
+                     f"x {r['bytes_per_param']} B")
+        lines.append(f"  roofline at B = {r['batch']:.1f}: ceiling {_f(r['ceiling_output_tok_s'])} "
+                     f"output tok/s ({r['bound']}-bound); pagoda reached {_pct(r['fraction'])}")
+        lines.append(f"  ({r['definition']})")
+    return "\n".join(lines)
+
+
+def _f(x: float | int | None, digits: int = 1) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None or math.isnan(x) else f"{100 * x:.1f}%"
+
+
+def write_png(report: dict[str, Any], path: str | Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on servers and in tests
+    import matplotlib.pyplot as plt
+
+    samples = report["samples"]
+    hf_bs1 = (report.get("baseline_hf") or {}).get("one_at_a_time_samples")
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    for ax, (key, name) in zip(axes.flat, LATENCIES):
+        _cdf(ax, samples[key], "pagoda")
+        if hf_bs1:
+            _cdf(ax, hf_bs1[key], "HF one at a time")
+        ax.set_title(f"{name} CDF")
+        ax.set_xlabel("ms")
+        ax.set_ylabel("fraction of samples")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right")
+    ax = axes.flat[4]
+    tot = samples["throughput_over_time"]
+    ax.plot(tot["t_s"], tot["output_tok_s"], drawstyle="steps-mid")
+    ax.set_title("output throughput over time")
+    ax.set_xlabel("s since start")
+    ax.set_ylabel("output tok/s")
+    ax.grid(alpha=0.3)
+    axes.flat[5].axis("off")
+    axes.flat[5].text(0, 0.5, format_text(report).split("\n  (")[0], family="monospace", fontsize=6,
+                      va="center")
+    fig.suptitle(f"pagoda bench — {report['config']['model']} ({report['config']['mode']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _cdf(ax: Any, values: list[float], label: str) -> None:
+    if not values:
+        return
+    xs = sorted(v * 1e3 for v in values)
+    ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=label)

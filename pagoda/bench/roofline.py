@@ -1,0 +1,120 @@
+"""``--roofline``: the machine's limits, and how close a run came to them.
+
+Measured here with torch, a few seconds in all: fp32 matmul FLOP/s (large square
+products) and memory read bandwidth (summing a buffer far larger than the caches).
+
+The ceiling (``CEILING_DEFINITION``) is a roofline for the workload as run: every token
+(prompt or output) costs 2 x parameters FLOPs, and every decode step reads all the
+weights once, a step producing one token for each of the B requests in flight (B = the
+run's time-weighted mean). The lowest possible time is the larger of the compute time
+and the weight-reading time; the ceiling is output tokens over that time. Attention and
+KV reads are left out, so the ceiling is optimistic, and a fraction near 1 is the best
+a run can show.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import time
+from pathlib import Path
+from typing import Any
+
+CEILING_DEFINITION = (
+    "ceiling output tok/s = output_tokens / max(T_compute, T_memory), where "
+    "T_compute = (prompt_tokens + output_tokens) * 2 * params / matmul_flops and "
+    "T_memory = (output_tokens / B) * params * bytes_per_param / mem_read_bandwidth "
+    "(each decode step reads the weights once and yields B tokens, B = mean requests in "
+    "flight); attention and KV-cache traffic are ignored, so the ceiling is optimistic"
+)
+
+_DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I8": 1, "U8": 1}
+
+
+def count_parameters(model_dir: str | Path) -> int:
+    """Parameters in the checkpoint's safetensors files, read from their headers only."""
+    total = 0
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    for f in files:
+        with open(f, "rb") as fh:
+            (size,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(size))
+        for name, meta in header.items():
+            if name != "__metadata__":
+                n = 1
+                for d in meta["shape"]:
+                    n *= d
+                total += n
+    return total
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _timed(fn: Any, device: str, budget_s: float) -> float:
+    """Best seconds of one call of ``fn`` over repeats filling about ``budget_s``."""
+    fn()
+    _sync(device)
+    best, spent = float("inf"), 0.0
+    while spent < budget_s:
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        dt = time.perf_counter() - t0
+        best, spent = min(best, dt), spent + dt
+    return best
+
+
+def measure_matmul_flops(device: str = "cpu", n: int | None = None, budget_s: float = 1.5) -> float:
+    import torch
+
+    n = n or (8192 if device.startswith("cuda") else 1024)
+    a = torch.randn(n, n, device=device, dtype=torch.float32)
+    b = torch.randn(n, n, device=device, dtype=torch.float32)
+    return 2 * n**3 / _timed(lambda: torch.mm(a, b), device, budget_s)
+
+
+def measure_read_bandwidth(device: str = "cpu", num_bytes: int | None = None,
+                           budget_s: float = 1.5) -> float:
+    """Bytes/s of a full read of a large fp32 buffer (a sum: one read, no write)."""
+    import torch
+
+    num_bytes = num_bytes or ((1 << 30) if device.startswith("cuda") else (256 << 20))
+    x = torch.ones(num_bytes // 4, device=device, dtype=torch.float32)
+    return num_bytes / _timed(lambda: x.sum(), device, budget_s)
+
+
+def measure_machine(device: str = "cpu") -> dict[str, float]:
+    return {"matmul_flops": measure_matmul_flops(device),
+            "mem_read_bytes_s": measure_read_bandwidth(device)}
+
+
+def ceiling(machine: dict[str, float], params: int, bytes_per_param: int, summary: dict[str, Any]
+            ) -> dict[str, Any]:
+    """The roofline of the run described by ``summary`` (``stats.summarize``'s dict)."""
+    flops, bw = machine["matmul_flops"], machine["mem_read_bytes_s"]
+    prompt, output = summary["prompt_tokens"], summary["output_tokens"]
+    batch = max(1.0, summary.get("mean_in_flight") or 1.0)
+    t_compute = (prompt + output) * 2 * params / flops
+    t_memory = (output / batch) * params * bytes_per_param / bw
+    ceiling_tok_s = output / max(t_compute, t_memory) if output else float("nan")
+    step_weights = params * bytes_per_param / bw  # seconds to read the weights once
+    return {
+        **machine,
+        "params": params,
+        "bytes_per_param": bytes_per_param,
+        "batch": batch,
+        "bound": "compute" if t_compute >= t_memory else "memory",
+        "ceiling_output_tok_s": ceiling_tok_s,
+        "fraction": summary["output_tok_s"] / ceiling_tok_s if output else float("nan"),
+        # pure decode (no prompts): one step of B tokens costs max(weights read, B * 2P FLOPs)
+        "decode_ceiling_bs1_tok_s": 1.0 / max(step_weights, 2 * params / flops),
+        "decode_ceiling_at_batch_tok_s": batch / max(step_weights, batch * 2 * params / flops),
+        "definition": CEILING_DEFINITION,
+    }
