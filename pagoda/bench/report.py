@@ -16,7 +16,7 @@ from typing import Any
 
 from pagoda.bench.stats import RequestRecord, record_lists, summarize, throughput_over_time
 
-LATENCIES = (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s", "E2E latency"))
+LATENCIES = (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s", "E2E"))
 
 
 def build_report(config: dict[str, Any], records: list[RequestRecord], scheduler: dict[str, Any],
@@ -73,11 +73,11 @@ def format_text(report: dict[str, Any]) -> str:
         f"  duration {p['duration_s']:.2f} s, mean in flight {_f(p['mean_in_flight'])}",
         f"  output {_f(p['output_tok_s'])} tok/s, total {_f(p['total_tok_s'])} tok/s, "
         f"{_f(p['requests_s'], 3)} req/s",
-        f"  {'ms':<6}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}",
+        f"  {'ms':<8}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}",
     ]
     for key, name in LATENCIES:
         d = p[key]
-        lines.append(f"  {name[:6]:<6}" + "".join(f"{_f(d[k] * 1e3 if d[k] is not None else None):>10}"
+        lines.append(f"  {name:<8}" + "".join(f"{_f(d[k] * 1e3 if d[k] is not None else None):>10}"
                                                for k in ("mean", "p50", "p90", "p99")))
     s = p["scheduler"]
     lines.append(f"  scheduler: KV usage peak {_pct(s['kv_usage_peak'])}, preemptions "

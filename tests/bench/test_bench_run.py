@@ -1,0 +1,115 @@
+"""``pagoda bench`` end to end on a tiny random model (offline), and the HTTP sender's
+stream accounting against a fake server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pagoda.bench.runner_online import HttpSender, run_online
+from pagoda.bench.workload import Workload
+from pagoda.cli import main as pagoda_main
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def test_offline_bench_writes_consistent_json_and_png(tiny_llama_dir: Path, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
+    rc = pagoda_main(["bench", "--model", str(tiny_llama_dir), "--num-requests", "5",
+                      "--prompt-len", "8,24", "--output-len", "fixed:6", "--max-concurrency", "3",
+                      "--baseline", "hf", "--hf-batch-sizes", "1,2", "--roofline",
+                      "--output-json", str(out_json), "--output-png", str(out_png), "--no-progress"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "output" in text and "pagoda / HF best" in text and "ceiling" in text
+
+    png = out_png.read_bytes()
+    assert png.startswith(PNG_SIGNATURE) and len(png) > 1000
+
+    report = json.loads(out_json.read_text())
+    assert set(report) == {"config", "pagoda", "baseline_hf", "comparison", "roofline", "samples"}
+    assert report["config"]["mode"] == "offline" and report["config"]["max_concurrency"] == 3
+    p = report["pagoda"]
+    assert (p["num_requests"], p["num_completed"], p["num_failed"]) == (5, 5, 0)
+    assert p["output_tokens"] == 5 * 6  # exact lengths through ignore_eos
+    assert 5 * 8 <= p["prompt_tokens"] <= 5 * 24
+    assert p["output_tok_s"] == pytest.approx(p["output_tokens"] / p["duration_s"])
+    assert p["total_tok_s"] == pytest.approx((p["output_tokens"] + p["prompt_tokens"]) / p["duration_s"])
+    assert p["requests_s"] == pytest.approx(5 / p["duration_s"])
+    assert p["mean_in_flight"] <= 3 + 1e-9  # the concurrency limit held
+    for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
+        d = p[key]
+        assert 0 < d["p50"] <= d["p90"] <= d["p99"], key
+        assert len(report["samples"][key]) == d["count"]
+    assert p["ttft_s"]["count"] == p["tpot_s"]["count"] == p["e2e_s"]["count"] == 5
+    assert p["itl_s"]["count"] == 5 * (6 - 1)  # one token per offline delta
+    s = p["scheduler"]
+    assert s["num_preemptions"] == 0 and 0 <= s["prefix_cache_hits"] <= s["prefix_cache_queries"]
+    assert 0 < s["kv_usage_peak"] <= 1
+
+    hf = report["baseline_hf"]
+    assert set(hf["static_batch_output_tok_s"]) == {"1", "2"}
+    assert hf["best_output_tok_s"] == max(hf["static_batch_output_tok_s"].values())
+    assert hf["one_at_a_time"]["output_tokens"] == 5 * 6
+    cmp = report["comparison"]
+    assert cmp["output_tok_s_ratio_vs_hf_best"] == pytest.approx(p["output_tok_s"] / hf["best_output_tok_s"])
+    assert cmp["tpot_p50_ratio_vs_hf_bs1"] == pytest.approx(
+        p["tpot_s"]["p50"] / hf["one_at_a_time"]["tpot_s"]["p50"])
+    r = report["roofline"]
+    assert r["matmul_flops"] > 1e8 and r["mem_read_bytes_s"] > 1e8
+    assert r["fraction"] == pytest.approx(p["output_tok_s"] / r["ceiling_output_tok_s"])
+    assert report["samples"]["throughput_over_time"]["t_s"]
+
+
+def test_http_sender_counts_tokens_from_the_stream() -> None:
+    """Text chunks count one token each; the usage chunk corrects the total (a held-back
+    token lands on the last delta); the request body asks for exact greedy output."""
+    bodies: list[dict[str, object]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        bodies.append(json.loads(request.content))
+        events = [{"choices": [{"index": 0, "text": "a", "finish_reason": None}]},
+                  {"choices": [{"index": 0, "text": "", "finish_reason": None}]},
+                  {"choices": [{"index": 0, "text": "bc", "finish_reason": None}]},
+                  {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]},
+                  {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4}}]
+        sse = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+        return httpx.Response(200, content=sse.encode(), headers={"content-type": "text/event-stream"})
+
+    async def go() -> list:  # type: ignore[type-arg]
+        sender = HttpSender("http://fake/v1")
+        await sender.client.aclose()
+        sender.client = httpx.AsyncClient(base_url="http://fake/v1", transport=httpx.MockTransport(handler))
+        try:
+            return await run_online(sender, Workload([[5, 6, 7]], [4]), progress=False)
+        finally:
+            await sender.aclose()
+
+    (rec,) = asyncio.run(go())
+    assert rec.ok and rec.num_output_tokens == 4
+    assert [n for _, n in rec.chunks] == [1, 1, 2]
+    assert bodies[0]["prompt"] == [5, 6, 7] and bodies[0]["max_tokens"] == 4
+    assert bodies[0]["ignore_eos"] is True and bodies[0]["temperature"] == 0.0
+    assert bodies[0]["stream_options"] == {"include_usage": True}
+
+
+def test_http_sender_records_a_refused_request() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(503, json={"error": {"message": "overloaded"}})
+
+    async def go() -> list:  # type: ignore[type-arg]
+        sender = HttpSender("http://fake/v1")
+        await sender.client.aclose()
+        sender.client = httpx.AsyncClient(base_url="http://fake/v1", transport=httpx.MockTransport(handler))
+        try:
+            return await run_online(sender, Workload([[5], [6]], [2, 2]), progress=False)
+        finally:
+            await sender.aclose()
+
+    records = asyncio.run(go())
+    assert all(not r.ok and "503" in (r.error or "") for r in records)
