@@ -103,7 +103,8 @@ class Stack:
 
     def stop(self) -> None:
         """Frontends first, then the scheduler, then the workers."""
-        grace = self.config.process.shutdown_timeout_s
+        # a frontend drains for shutdown_timeout_s, then aborts and flushes: wait longer
+        grace = self.config.process.shutdown_timeout_s + 10.0
         for group in (
             [c for c in self.children if c.name.startswith("frontend")],
             [c for c in self.children if c.name == "scheduler"],

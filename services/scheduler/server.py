@@ -240,9 +240,14 @@ class SchedulerServer:
             self._send_error(identity, msg.request_id, "duplicate_id",
                              f"request id {msg.request_id!r} is already in use")
             return
-        if len(sched.waiting) >= self.config.engine.max_queued_requests:
+        # the bound is on sequences that must wait: those the next step can admit into
+        # free running slots are not queued (several requests often arrive between steps)
+        free_slots = max(0, self.config.engine.max_num_seqs - len(sched.running))
+        queued = max(0, len(sched.waiting) + msg.sampling_params.n - free_slots)
+        if queued > self.config.engine.max_queued_requests:
             self._send_error(identity, msg.request_id, "overloaded",
-                             f"{len(sched.waiting)} requests are queued; retry later")
+                             f"{len(sched.waiting)} sequences are waiting and "
+                             f"{len(sched.running)} running; retry later")
             return
         iid = self.router.add(identity, msg.request_id)
         try:

@@ -79,6 +79,10 @@ class _Collector:
         self.view = view
 
     def collect(self) -> Iterator[Metric]:
+        info = GaugeMetricFamily(PREFIX + "frontend_info", "the frontend process that answered",
+                                 labels=["frontend_id"])
+        info.add_metric([self.view.frontend_id], 1.0)
+        yield info
         healthy, _ = self.view.health()
         up = GaugeMetricFamily(PREFIX + "engine_healthy", "1 when the engine answers and is not draining")
         up.add_metric([], 1.0 if healthy else 0.0)

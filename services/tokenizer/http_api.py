@@ -43,7 +43,7 @@ from services.tokenizer.http_jobs import Job
 from services.tokenizer.http_responses import ResponseBuilder
 from services.tokenizer.input_processor import InputProcessor, InvalidRequest
 from services.tokenizer.request_runner import RequestFailed, RequestRunner
-from shared.config import PagodaConfig
+from shared.config import ConfigError, PagodaConfig
 from shared.protocol import GenerateRequest
 
 log = logging.getLogger("pagoda.frontend.http")
@@ -150,6 +150,10 @@ class HttpApi:
         self._ids = itertools.count()
         self._prefix = f"{os.getpid():x}"
         self.address = f"http://{proc.http_host}:{proc.http_port}"
+        if proc.http_host in ("0.0.0.0", "::", "*") and not proc.allow_wildcard_bind:
+            raise ConfigError(
+                f"refusing to serve HTTP on {proc.http_host}: every interface; use 127.0.0.1 or "
+                "allow it explicitly (PAGODA_ALLOW_WILDCARD_BIND=1) behind a firewall or proxy")
         self._sock = bind_reuseport(proc.http_host, proc.http_port)
         app = build_app(self, proc.http_max_body_bytes)
         self._server = uvicorn.Server(uvicorn.Config(

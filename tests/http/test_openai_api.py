@@ -214,10 +214,14 @@ def test_full_queue_answers_503_with_retry_after(http_stack: LiveStack) -> None:
             async def long_stream(i: int) -> Any:
                 cm = http.stream("POST", "/completions", json={**LONG, "stream": True})
                 response = await cm.__aenter__()
-                await response.aiter_lines().__anext__()  # running: it produced a token
-                return cm
+                assert response.status_code == 200
+                lines = response.aiter_lines()
+                await lines.__anext__()  # running: it produced a token
+                # keep the line iterator: a collected one closes the response (a disconnect)
+                return cm, lines
 
-            running = [await long_stream(i) for i in range(2)]  # max_num_seqs 2: both run
+            streams = [await long_stream(i) for i in range(2)]  # max_num_seqs 2: both run
+            running = [cm for cm, _ in streams]
             short = {"prompt": "Hi", "max_tokens": 2, "temperature": 0.0}
             # one of these waits (max_queued_requests 1), the other is refused at once
             posts = [asyncio.ensure_future(http.post("/completions", json=short))

@@ -9,6 +9,7 @@ ipc:// files in a short private directory; its log goes to a file the tests read
 from __future__ import annotations
 
 import os
+import socket
 import shutil
 import signal
 import subprocess
@@ -51,6 +52,12 @@ class FrontendStack:
         return self.proc.returncode
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def start_frontend(model_dir: Path, *, env: dict[str, str] | None = None,
                    startup_timeout_s: float = 60.0) -> FrontendStack:
     # ipc paths are limited to 107 bytes: a short directory under /tmp, 0700 by mkdtemp
@@ -62,6 +69,8 @@ def start_frontend(model_dir: Path, *, env: dict[str, str] | None = None,
         PAGODA_SCHEDULER_FRONTEND=scheduler.address,
         PAGODA_FRONTEND_NATIVE=native,
         PAGODA_MODEL=str(model_dir),
+        # its own free port: SO_REUSEPORT would otherwise share 8000 with other stacks
+        PAGODA_HTTP_PORT=str(free_port()),
         PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
         **(env or {}),
     )
