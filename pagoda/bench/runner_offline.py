@@ -16,7 +16,7 @@ from typing import Any
 from tqdm import tqdm
 
 from pagoda.bench.stats import RequestRecord
-from pagoda.bench.workload import Workload, arrival_times
+from pagoda.bench.workload import Workload, arrival_times, warmup_workload
 from shared.sampling_params import SamplingParams
 
 
@@ -27,7 +27,8 @@ def greedy_exact(output_len: int) -> SamplingParams:
 
 def warm_up(llm: Any, work: Workload) -> None:
     """Two short requests first, so one-time costs (allocator, kernels) stay out of the run."""
-    llm.generate(work.prompts[:2], [greedy_exact(4)] * min(2, len(work)), use_tqdm=False)
+    warm = warmup_workload(work)
+    llm.generate(warm.prompts, [greedy_exact(n) for n in warm.output_lens], use_tqdm=False)
 
 
 def run_offline(llm: Any, work: Workload, request_rate: float = float("inf"),

@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from pagoda.bench.runner_offline import scheduler_figures
 from pagoda.bench.stats import RequestRecord
-from pagoda.bench.workload import Workload, arrival_times
+from pagoda.bench.workload import Workload, arrival_times, warmup_workload
 
 # send request (index, prompt ids, output length, record, clock), filling the record's deltas
 Send = Callable[[int, list[int], int, RequestRecord, Callable[[], float]], Awaitable[None]]
@@ -183,11 +183,20 @@ class MetricsWatcher:
                 self.kv_peak = max(self.kv_peak or 0.0, kv)
             await asyncio.sleep(self.period)
 
-    async def stop(self) -> dict[str, Any]:
+    async def stop(self, num_output_tokens: int, wait_s: float = 5.0) -> dict[str, Any]:
+        """The run's figures. Frontends refresh their view of the scheduler about once a
+        second, so the final scrape waits (up to ``wait_s``) until the generated-token
+        counter has counted the run's ``num_output_tokens``."""
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        key = "pagoda:generation_tokens_total"
+        deadline = time.monotonic() + wait_s
         after = await self._scrape()
+        while (key in after and after[key] - self.before.get(key, 0.0) < num_output_tokens
+               and time.monotonic() < deadline):
+            await asyncio.sleep(0.25)
+            after = await self._scrape()
 
         def delta(name: str) -> float | None:
             key = "pagoda:" + name
@@ -200,13 +209,15 @@ class MetricsWatcher:
 async def bench_online(make_sender: Callable[[], Any], work: Workload, metrics_url: str | None,
                        request_rate: float, max_concurrency: int | None, seed: int,
                        progress: bool, label: str) -> tuple[list[RequestRecord], dict[str, Any]]:
-    """Warm-up (two short requests), then the run with /metrics watched around it."""
+    """Warm-up (two short requests, other prompts), then the run with /metrics watched around it."""
     sender = make_sender()
     try:
-        await run_online(sender, Workload(work.prompts[:2], [4] * min(2, len(work))), progress=False)
+        await run_online(sender, warmup_workload(work), progress=False)
+        if metrics_url is not None:
+            await asyncio.sleep(1.5)  # one heartbeat: the "before" scrape counts the warm-up
         watcher = MetricsWatcher(metrics_url)
         await watcher.start()
         records = await run_online(sender, work, request_rate, max_concurrency, seed, progress, label)
-        return records, await watcher.stop()
+        return records, await watcher.stop(sum(r.num_output_tokens for r in records))
     finally:
         await sender.aclose()

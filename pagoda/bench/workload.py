@@ -222,3 +222,9 @@ def arrival_times(num: int, request_rate: float, seed: int = 0) -> list[float]:
         out.append(t)
         t += rng.expovariate(request_rate)
     return out
+
+
+def warmup_workload(work: Workload, num: int = 2, output_len: int = 4) -> Workload:
+    """A few short requests to run before the measured ones: the first prompts reversed,
+    so they warm the engine without leaving the run's prefixes in the prefix cache."""
+    return Workload([p[::-1] for p in work.prompts[:num]], [output_len] * min(num, len(work)))
