@@ -18,8 +18,10 @@ import torch
 import torch.nn.functional as F
 
 # Rows of the batched decode are processed in groups so that the gathered K/V stays
-# near this many elements (fp32: 4 bytes each) instead of growing with batch x context.
-_DECODE_GATHER_ELEMS = 16 * 1024 * 1024
+# near this many elements (fp32: 4 bytes each) instead of growing with batch x context;
+# 16 MiB chunks also stay under glibc's largest mmap threshold, so the CPU worker's
+# allocator reuses them instead of faulting fresh pages in every layer.
+_DECODE_GATHER_ELEMS = 4 * 1024 * 1024
 
 
 def write_kv_cache(

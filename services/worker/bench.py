@@ -7,6 +7,8 @@ cache holds random K/V: the timing does not depend on the values) and one decode
 step runs through the whole runner (input building, model, greedy sampler). The
 baseline is HF transformers' forward of the same batch, one new token per sequence
 over a DynamicCache of the same length, timed in the same run. Median of N steps.
+Both run in this process, after the allocator settings a CPU worker applies
+(``services/worker/cpu_memory.py``), so HF gets them too.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import time
 import torch
 
 from services.worker.attention import get_attention_backend
+from services.worker.cpu_memory import keep_large_allocations_in_heap
 from services.worker.loader import load_model
 from services.worker.model_runner import ModelRunner
 from shared.protocol import NewRequest, RunningRequest, StepBatch
@@ -35,6 +38,7 @@ def _time(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
 
 
 def bench_runner(model_dir: str, batch: int, context: int, repeats: int, block_size: int = 16) -> float:
+    keep_large_allocations_in_heap()  # as the runner builder does for a CPU worker
     model = load_model(model_dir)
     blocks_per_seq = (context + repeats + 2) // block_size + 1
     runner = ModelRunner(model, get_attention_backend(torch.device("cpu")),

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from services.worker.attention import get_attention_backend
+from services.worker.cpu_memory import keep_large_allocations_in_heap
 from services.worker.loader import load_model
 from services.worker.model_config import ModelConfig
 from services.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
@@ -57,6 +58,8 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 def build_runner(model_dir: Path, spec: RunnerSpec) -> BuiltRunner:
     device = resolve_device(spec.device)
+    if device.type == "cpu":
+        keep_large_allocations_in_heap()
     dtype = resolve_dtype(spec.dtype, device)
     model = load_model(model_dir, dtype, device, max_position=None)
     max_pos = model.config.max_position_embeddings
