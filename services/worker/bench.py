@@ -21,6 +21,7 @@ import torch
 
 from services.worker.attention import get_attention_backend
 from services.worker.cpu_memory import keep_large_allocations_in_heap
+from services.worker.layers.linear import pack_cpu_linears
 from services.worker.loader import load_model
 from services.worker.model_runner import ModelRunner
 from shared.protocol import NewRequest, RunningRequest, StepBatch
@@ -40,6 +41,7 @@ def _time(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
 def bench_runner(model_dir: str, batch: int, context: int, repeats: int, block_size: int = 16) -> float:
     keep_large_allocations_in_heap()  # as the runner builder does for a CPU worker
     model = load_model(model_dir)
+    pack_cpu_linears(model)  # as the runner builder does on a CPU
     blocks_per_seq = (context + repeats + 2) // block_size + 1
     runner = ModelRunner(model, get_attention_backend(torch.device("cpu")),
                          batch * blocks_per_seq + 1, block_size)

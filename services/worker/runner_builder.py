@@ -15,6 +15,7 @@ import torch
 
 from services.worker.attention import get_attention_backend
 from services.worker.cpu_memory import keep_large_allocations_in_heap
+from services.worker.layers.linear import pack_cpu_linears
 from services.worker.loader import load_model
 from services.worker.model_config import ModelConfig
 from services.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
@@ -62,6 +63,8 @@ def build_runner(model_dir: Path, spec: RunnerSpec) -> BuiltRunner:
         keep_large_allocations_in_heap()
     dtype = resolve_dtype(spec.dtype, device)
     model = load_model(model_dir, dtype, device, max_position=None)
+    if device.type == "cpu":
+        pack_cpu_linears(model)
     max_pos = model.config.max_position_embeddings
     max_model_len = spec.max_model_len or max_pos
     if max_model_len > max_pos:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from services.worker.attention import get_attention_backend
+from services.worker.layers.linear import pack_cpu_linears
 from services.worker.loader import load_model
 from services.worker.model_runner import ModelRunner
 from support.checkpoints import load_hf
@@ -21,8 +22,12 @@ from support.paged import PagedDriver
 MODELS = ["tiny_llama_dir", "tiny_llama3_rope_dir", "tiny_qwen2_dir", "smollm2_dir"]
 
 
-def make_runner(model_dir: Path, num_blocks: int = 256, block_size: int = 16) -> ModelRunner:
+def make_runner(model_dir: Path, num_blocks: int = 256, block_size: int = 16,
+                packed: bool = True) -> ModelRunner:
+    """The production CPU path packs the linears for oneDNN (layers/linear.py)."""
     model = load_model(model_dir)
+    if packed:
+        assert pack_cpu_linears(model) > 0, "oneDNN packing did not apply on this CPU"
     return ModelRunner(model, get_attention_backend(torch.device("cpu")), num_blocks, block_size)
 
 
@@ -32,10 +37,12 @@ def assert_logits_close(ours: torch.Tensor, ref: torch.Tensor, what: str) -> Non
     assert diff <= 1e-3 * logit_range, f"{what}: max abs diff {diff:.3g}, range {logit_range:.3g}"
 
 
+@pytest.mark.parametrize("packed", [True, False], ids=["onednn", "plain"])
 @pytest.mark.parametrize("model_fixture", MODELS)
-def test_prefill_and_decode_logits_match_hf(model_fixture: str, request: pytest.FixtureRequest) -> None:
+def test_prefill_and_decode_logits_match_hf(model_fixture: str, packed: bool,
+                                            request: pytest.FixtureRequest) -> None:
     model_dir = request.getfixturevalue(model_fixture)
-    runner = make_runner(model_dir)
+    runner = make_runner(model_dir, packed=packed)
     vocab = runner.model.config.vocab_size
     gen = torch.Generator().manual_seed(7)
     lengths = [3, 17, 40, 9]

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.worker.attention.base import AttentionBackend, AttentionMetadata
+from services.worker.layers.linear import linear
 from services.worker.layers.norm import RMSNorm
 from services.worker.layers.rotary import RotaryEmbedding
 from services.worker.model_config import ModelConfig
@@ -25,8 +26,12 @@ def _weight(*shape: int) -> nn.Parameter:
 
 
 class LlamaAttention(nn.Module):
+    PACKED_WEIGHTS = ("qkv_weight", "o_weight")  # see layers/linear.py
+
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
         super().__init__()
+        self.qkv_weight_packed: torch.Tensor | None = None
+        self.o_weight_packed: torch.Tensor | None = None
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -47,7 +52,7 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:  # [T, hidden]
-        qkv = F.linear(hidden, self.qkv_weight, self.qkv_bias)
+        qkv = linear(hidden, self.qkv_weight, self.qkv_bias, self.qkv_weight_packed)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         t = hidden.shape[0]
         q, k = self.rotary(
@@ -57,12 +62,16 @@ class LlamaAttention(nn.Module):
         )
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return F.linear(out.reshape(t, self.q_size), self.o_weight, self.o_bias)
+        return linear(out.reshape(t, self.q_size), self.o_weight, self.o_bias, self.o_weight_packed)
 
 
 class LlamaMLP(nn.Module):
+    PACKED_WEIGHTS = ("gate_up_weight", "down_weight")
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
+        self.gate_up_weight_packed: torch.Tensor | None = None
+        self.down_weight_packed: torch.Tensor | None = None
         self.intermediate_size = config.intermediate_size
         self.gate_up_weight = _weight(2 * config.intermediate_size, config.hidden_size)
         self.gate_up_bias = _weight(2 * config.intermediate_size) if config.mlp_bias else None
@@ -70,9 +79,9 @@ class LlamaMLP(nn.Module):
         self.down_bias = _weight(config.hidden_size) if config.mlp_bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)
+        gate_up = linear(x, self.gate_up_weight, self.gate_up_bias, self.gate_up_weight_packed)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_weight, self.down_bias)
+        return linear(F.silu(gate) * up, self.down_weight, self.down_bias, self.down_weight_packed)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -99,8 +108,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    PACKED_WEIGHTS = ("lm_head_weight",)
+
     def __init__(self, config: ModelConfig, max_position: int | None = None) -> None:
         super().__init__()
+        self.lm_head_weight_packed: torch.Tensor | None = None
         self.config = config
         rotary = RotaryEmbedding(
             config.head_dim,
@@ -134,4 +146,4 @@ class LlamaForCausalLM(nn.Module):
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
-        return F.linear(hidden, self.lm_head_weight).float()
+        return linear(hidden, self.lm_head_weight, None, self.lm_head_weight_packed).float()
