@@ -14,6 +14,7 @@ from services.worker.runner_builder import RunnerSpec, build_runner
 from shared.protocol import RequestOutput, StepBatch
 from shared.sampling_params import SamplingParams
 
+
 @dataclass(frozen=True)
 class EngineConfig:
     block_size: int = 16

@@ -23,7 +23,6 @@ from shared.ipc import (
     is_wildcard,
     make_socket,
     private_run_dir,
-    report_ready,
     wait_for_subscribers,
     wait_ready,
 )
