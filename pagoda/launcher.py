@@ -25,7 +25,7 @@ import threading
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from shared.config import SETTINGS, Endpoints, PagodaConfig, add_arguments, load_config
+from shared.config import SETTINGS, Endpoints, PagodaConfig, add_arguments, load_config, resolve
 from shared.ipc import ReadyError, private_run_dir, wait_ready
 
 _PR_SET_PDEATHSIG = 1
@@ -133,12 +133,11 @@ def serve(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     with private_run_dir() as run_dir:
-        probe = load_config(args, default_endpoints=Endpoints.local(run_dir))
-        config = load_config(args, default_endpoints=Endpoints.local(run_dir, probe.process.num_frontends))
+        values = resolve(args)
         # fetch once here, so the children find the model in the cache
-        model_dir = resolve_model(config.engine.model)
+        model_dir = resolve_model(values["model"])
         config = load_config({**vars(args), "model": str(model_dir)},
-                             default_endpoints=config.endpoints)
+                             default_endpoints=Endpoints.local(run_dir, values["num_frontends"]))
         stack = Stack(config)
         try:
             stack.start()

@@ -16,14 +16,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
-from services.worker.attention import get_attention_backend
-from services.worker.cpu_memory import keep_large_allocations_in_heap
-from services.worker.layers.linear import pack_cpu_linears
-from services.worker.loader import load_model
-from services.worker.model_runner import ModelRunner
+from services.worker.runner_builder import RunnerSpec, build_runner
 from shared.protocol import NewRequest, RunningRequest, StepBatch
 from shared.sampling_params import SamplingParams
 
@@ -39,12 +36,12 @@ def _time(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
 
 
 def bench_runner(model_dir: str, batch: int, context: int, repeats: int, block_size: int = 16) -> float:
-    keep_large_allocations_in_heap()  # as the runner builder does for a CPU worker
-    model = load_model(model_dir)
-    pack_cpu_linears(model)  # as the runner builder does on a CPU
     blocks_per_seq = (context + repeats + 2) // block_size + 1
-    runner = ModelRunner(model, get_attention_backend(torch.device("cpu")),
-                         batch * blocks_per_seq + 1, block_size)
+    # the same runner a CPU worker builds (packed linears, allocator settings)
+    runner = build_runner(Path(model_dir), RunnerSpec(
+        block_size=block_size, num_kv_blocks=batch * blocks_per_seq + 1, dtype="float32", device="cpu",
+    )).runner
+    model = runner.model
     for k, v in runner.kv_caches:
         k.normal_()
         v.normal_()
