@@ -45,9 +45,9 @@ def test_preemption_gives_the_same_tokens(model_dir: Path) -> None:
     prompts = random_prompts(64, 5, 60, seed=1)
     params = [SamplingParams(temperature=0.0, max_tokens=random.Random(i).randint(8, 40),
                              ignore_eos=True) for i in range(64)]
-    big = LLM(str(model_dir), num_kv_blocks=2048, strict_invariants=True)
+    big = LLM(str(model_dir), dtype="float32", num_kv_blocks=2048, strict_invariants=True)
     expected = tokens(big.generate(prompts, params, use_tqdm=False))
-    small = LLM(str(model_dir), num_kv_blocks=24, max_num_seqs=64, strict_invariants=True)
+    small = LLM(str(model_dir), dtype="float32", num_kv_blocks=24, max_num_seqs=64, strict_invariants=True)
     got = tokens(small.generate(prompts, params, use_tqdm=False))
     assert small.stats().num_preemptions >= 10, "the small pool should preempt many times"
     assert got == expected
@@ -57,9 +57,9 @@ def test_preemption_gives_the_same_tokens(model_dir: Path) -> None:
 def test_prefix_caching_hits_and_same_tokens(model_dir: Path) -> None:
     system = random_prompts(1, 256, 256, seed=2)[0]
     prompts = [system + p for p in random_prompts(32, 4, 30, seed=3)]
-    off = LLM(str(model_dir), enable_prefix_caching=False, strict_invariants=True)
+    off = LLM(str(model_dir), dtype="float32", enable_prefix_caching=False, strict_invariants=True)
     expected = tokens(off.generate(prompts, GREEDY, use_tqdm=False))
-    on = LLM(str(model_dir), strict_invariants=True)
+    on = LLM(str(model_dir), dtype="float32", strict_invariants=True)
     first = tokens(on.generate(prompts[:1], GREEDY, use_tqdm=False))
     before = on.stats().prefix_cache_hits
     rest = tokens(on.generate(prompts[1:], GREEDY, use_tqdm=False))
@@ -74,10 +74,10 @@ def test_chunked_prefill_same_tokens_and_decodes_keep_going(model_dir: Path) -> 
     long_prompt = random_prompts(1, 2000, 2000, seed=5)[0]
     short = random_prompts(3, 5, 10, seed=6)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    wide = LLM(str(model_dir), max_num_batched_tokens=4096, strict_invariants=True)
+    wide = LLM(str(model_dir), dtype="float32", max_num_batched_tokens=4096, strict_invariants=True)
     expected = tokens(wide.generate([long_prompt], params, use_tqdm=False))
 
-    narrow = LLM(str(model_dir), max_num_batched_tokens=256, strict_invariants=True)
+    narrow = LLM(str(model_dir), dtype="float32", max_num_batched_tokens=256, strict_invariants=True)
     narrow.engine.step_trace = []
     decoding = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     outs = narrow.generate(short + [long_prompt], [decoding] * 3 + [params], use_tqdm=False)
@@ -96,7 +96,7 @@ def test_chunked_prefill_same_tokens_and_decodes_keep_going(model_dir: Path) -> 
 
 
 def test_n4_children_share_prompt_blocks_and_are_freed(model_dir: Path) -> None:
-    llm = LLM(str(model_dir), strict_invariants=True)
+    llm = LLM(str(model_dir), dtype="float32", strict_invariants=True)
     prompt = random_prompts(1, 100, 100, seed=7)[0]
     out = llm.generate([prompt], SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=12,
                                                 ignore_eos=True), use_tqdm=False)[0]
@@ -110,7 +110,7 @@ def test_n4_children_share_prompt_blocks_and_are_freed(model_dir: Path) -> None:
 
 
 def test_prompt_forms_and_validation(model_dir: Path) -> None:
-    llm = LLM(str(model_dir), max_model_len=256)
+    llm = LLM(str(model_dir), dtype="float32", max_model_len=256)
     one = llm.generate([5, 6, 7], GREEDY, use_tqdm=False)
     assert len(one) == 1 and one[0].prompt_token_ids == [5, 6, 7]
     two = llm.generate([[5, 6, 7], [8, 9]], [GREEDY, GREEDY], use_tqdm=False)
@@ -128,7 +128,7 @@ def test_prompt_forms_and_validation(model_dir: Path) -> None:
 
 
 def test_stop_strings_cut_the_text(smollm2_dir: Path) -> None:
-    llm = LLM(str(smollm2_dir), num_kv_blocks=256, strict_invariants=True)
+    llm = LLM(str(smollm2_dir), dtype="float32", num_kv_blocks=256, strict_invariants=True)
     msgs = [{"role": "user", "content": "List three fruits, separated by commas."}]
     base = llm.chat(msgs, SamplingParams(temperature=0.0, max_tokens=40), use_tqdm=False)[0].outputs[0]
     text = base.text

@@ -78,11 +78,12 @@ def load_model(
         if not config.tie_word_embeddings:
             raise ModelLoadError(f"{model_dir}: no lm_head.weight and tie_word_embeddings is false")
         tensors["lm_head_weight"] = tensors["embed_tokens.weight"]
-    # materialise on the target device with the right dtype, then the rotary caches
+    # materialise on the target device in the requested dtype (the meta parameters were
+    # made in the default dtype), then the rotary caches, which stay fp32
     model = model.to_empty(device=device)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            param.copy_(tensors[name].to(dtype))
+            param.data = tensors[name].to(device=device, dtype=dtype).contiguous()
         if config.tie_word_embeddings:
             model.lm_head_weight = model.embed_tokens.weight
     model.rotary.fill_cache()  # its buffers came out of to_empty uninitialised

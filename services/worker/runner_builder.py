@@ -31,7 +31,7 @@ class RunnerSpec:
     kv_cache_bytes: int | None = None
     num_kv_blocks: int | None = None
     max_model_len: int | None = None
-    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU (no native bf16 there)
+    dtype: str = "auto"  # see resolve_dtype
     device: str = "auto"  # auto: cuda if available, else cpu
 
 
@@ -49,9 +49,26 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX-BF16).
+
+    There, oneDNN's bf16 linears run ~2x its fp32 ones (370-410 vs 190-210 GFLOP/s at
+    24-1,024 rows on a 2-core Zen 4); without it, bf16 is emulated and slower than fp32.
+    """
+    try:
+        caps = torch.cpu.get_capabilities()
+    except (AttributeError, RuntimeError):
+        return False
+    return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
+
+
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """``auto``: bfloat16 on CUDA and on CPUs with native bf16, else float32 (as vLLM's
+    CPU backend, which runs 16-bit checkpoints and fp32 ones alike in bf16)."""
     if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type == "cuda" or (device.type == "cpu" and cpu_has_native_bf16()):
+            return torch.bfloat16
+        return torch.float32
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {dtype!r}")
     return _DTYPES[dtype]

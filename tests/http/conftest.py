@@ -32,4 +32,4 @@ def http_stack(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
 def offline(smollm2_dir: Path) -> Any:
     from pagoda import LLM
 
-    return LLM(str(smollm2_dir), num_kv_blocks=256, max_model_len=2048)
+    return LLM(str(smollm2_dir), dtype="float32", num_kv_blocks=256, max_model_len=2048)

@@ -1,6 +1,6 @@
 """A live `pagoda serve` (the real CLI, all processes) for the e2e tests.
 
-The stack runs with PAGODA_TESTING=1 (a broken block-accounting invariant is fatal in
+The stack runs in float32 with PAGODA_TESTING=1 (a broken block-accounting invariant is fatal in
 the scheduler). Its output goes to a log file; tests poll that file for lines with a
 deadline instead of sleeping.
 """
@@ -60,7 +60,9 @@ def start_stack(model_dir: Path, log_path: Path, num_frontends: int, *extra: str
                 http_port: int | None = None) -> LiveStack:
     """``pagoda serve``; every frontend serves HTTP on ``http_port`` (default: a free one,
     so stacks never share the default port 8000)."""
-    env = {**os.environ, "PAGODA_TESTING": "1", "PYTHONUNBUFFERED": "1"}
+    # fp32: the e2e tests compare the stack's tokens with the offline engine's, exactly,
+    # and bf16 rounding depends on the batch a request happened to run in
+    env = {**os.environ, "PAGODA_TESTING": "1", "PYTHONUNBUFFERED": "1", "PAGODA_DTYPE": "float32"}
     log = open(log_path, "wb")
     port = free_port() if http_port is None else http_port
     proc = subprocess.Popen(
@@ -101,5 +103,5 @@ def stop_stack(stack: LiveStack) -> None:
 def expected_offline(model_dir: Path, prompts: list, params: list):  # type: ignore[no-untyped-def,type-arg]
     from pagoda import LLM
 
-    llm = LLM(str(model_dir), num_kv_blocks=2048, max_model_len=2048)
+    llm = LLM(str(model_dir), dtype="float32", num_kv_blocks=2048, max_model_len=2048)
     return llm.generate(prompts, params, use_tqdm=False)

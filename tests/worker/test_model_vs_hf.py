@@ -23,12 +23,13 @@ MODELS = ["tiny_llama_dir", "tiny_llama3_rope_dir", "tiny_qwen2_dir", "smollm2_d
 
 
 def make_runner(model_dir: Path, num_blocks: int = 256, block_size: int = 16,
-                packed: bool = True) -> ModelRunner:
+                packed: bool = True, dtype: torch.dtype = torch.float32) -> ModelRunner:
     """The production CPU path packs the linears for oneDNN (layers/linear.py)."""
-    model = load_model(model_dir)
+    model = load_model(model_dir, dtype)
     if packed:
         assert pack_cpu_linears(model) > 0, "oneDNN packing did not apply on this CPU"
-    return ModelRunner(model, get_attention_backend(torch.device("cpu")), num_blocks, block_size)
+    return ModelRunner(model, get_attention_backend(torch.device("cpu")), num_blocks, block_size,
+                       kv_dtype=dtype)
 
 
 def assert_logits_close(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
@@ -60,6 +61,46 @@ def test_prefill_and_decode_logits_match_hf(model_fixture: str, packed: bool,
             ref = hf(torch.tensor([driver.tokens[rid][:-1]])).logits[0].float()
         for s, logits in enumerate(steps):
             assert_logits_close(logits[rid], ref[n - 1 + s], f"{model_fixture} {rid} step {s}")
+
+
+def test_bfloat16_runner_is_as_close_to_fp32_as_hf_bfloat16(smollm2_dir: Path) -> None:
+    """bf16 (``dtype=auto`` on CPUs with native bf16): weights, activations and KV cache
+    in bf16, norms, rotary and softmax in fp32. Oracle: HF in fp32; the yardstick: HF's
+    own bf16 model at the same positions. Our error must be of the same size as HF's
+    (a broken path, e.g. a wrong dtype in the cache or a lost scale, is many times off)
+    and the top token must agree as often."""
+    runner = make_runner(smollm2_dir, dtype=torch.bfloat16)
+    layer = runner.model.layers[0]
+    assert layer.self_attn.qkv_weight.dtype == torch.bfloat16
+    assert layer.self_attn.qkv_weight_packed is not None
+    assert runner.kv_caches[0][0].dtype == torch.bfloat16
+    gen = torch.Generator().manual_seed(3)
+    lengths = [5, 33, 70]
+    driver = PagedDriver(runner, seed=4)
+    ids = [f"r{i}" for i in range(len(lengths))]
+    for rid, n in zip(ids, lengths):
+        driver.add(rid, torch.randint(0, runner.model.config.vocab_size, (n,), generator=gen).tolist())
+    steps = [driver.prefill(ids)[1]]
+    for _ in range(12):
+        steps.append(driver.decode(ids)[1])
+    hf32 = load_hf(smollm2_dir)
+    hf16 = load_hf(smollm2_dir).to(torch.bfloat16)
+    ours_err = hf_err = 0.0
+    ours_top1 = hf_top1 = total = 0
+    for rid, n in zip(ids, lengths):
+        seq = torch.tensor([driver.tokens[rid][:-1]])
+        with torch.no_grad():
+            ref, ref16 = hf32(seq).logits[0].float(), hf16(seq).logits[0].float()
+        for s, logits in enumerate(steps):
+            want, got, yard = ref[n - 1 + s], logits[rid].float(), ref16[n - 1 + s]
+            scale = float(want.max() - want.min())
+            ours_err += float((got - want).abs().mean()) / scale
+            hf_err += float((yard - want).abs().mean()) / scale
+            ours_top1 += int(got.argmax() == want.argmax())
+            hf_top1 += int(yard.argmax() == want.argmax())
+            total += 1
+    assert ours_err <= 2.5 * hf_err, f"mean error {ours_err / total:.4f} vs HF bf16 {hf_err / total:.4f}"
+    assert ours_top1 >= hf_top1 - 0.1 * total, f"top-1 {ours_top1}/{total} vs HF bf16 {hf_top1}"
 
 
 def _prompts_of_lengths(tokenizer, lengths: list[int]) -> list[list[int]]:  # type: ignore[no-untyped-def]
