@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from pagoda.bench.workload import LengthDist, Workload, load_jsonl, make_workload
+from shared.config import DTYPES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,9 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-num-seqs", type=int, default=None)
     e.add_argument("--max-num-batched-tokens", type=int, default=None)
     e.add_argument("--kv-cache-bytes", type=int, default=None)
+    e.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="auto: bfloat16 on CUDA and on CPUs with native bf16, else float32")
     c = p.add_argument_group("comparisons and output")
     c.add_argument("--baseline", choices=("hf",), default=None, help="HF transformers generate, same requests")
     c.add_argument("--hf-batch-sizes", default="1,8,16,32,64", help="1 = one request at a time")
+    c.add_argument("--hf-dtypes", default="auto",
+                   help="comma-separated; auto: float32 and the dtype pagoda computes in")
     c.add_argument("--roofline", action="store_true", help="measure FLOP/s and bandwidth; print the fraction")
     c.add_argument("--device", default="cpu", help="device of the roofline measurement")
     c.add_argument("--output-json", default=None)
@@ -75,8 +80,27 @@ def _mode(args: argparse.Namespace) -> str:
 
 
 def _engine_settings(args: argparse.Namespace) -> dict[str, Any]:
-    keys = ("max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes")
+    keys = ("max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes", "dtype")
     return {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
+
+
+def engine_dtype(args: argparse.Namespace) -> str:
+    """The dtype the engine computes in (``auto`` resolved as the worker resolves it)."""
+    import torch
+
+    from services.worker.runner_builder import resolve_dtype
+
+    return str(resolve_dtype(args.dtype, torch.device(args.device))).removeprefix("torch.")
+
+
+def _hf_dtypes(args: argparse.Namespace, engine: str) -> tuple[str, ...]:
+    if args.hf_dtypes == "auto":
+        return tuple(dict.fromkeys(("float32", engine)))
+    dtypes = tuple(d.strip() for d in args.hf_dtypes.split(",") if d.strip())
+    bad = [d for d in dtypes if d not in DTYPES or d == "auto"]
+    if bad or not dtypes:
+        raise SystemExit(f"pagoda bench: --hf-dtypes takes float32, float16, bfloat16; got {args.hf_dtypes!r}")
+    return dtypes
 
 
 def load_workload(args: argparse.Namespace, model_dir: Path, tokenizer: Any) -> Workload:
@@ -102,11 +126,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     mode, progress = _mode(args), not args.no_progress
     model_dir = resolve_model(args.model)
+    dtype = engine_dtype(args)
     roofline_machine = None
     if args.roofline:  # measured first, on an idle machine
         from pagoda.bench.roofline import measure_machine
 
-        roofline_machine = measure_machine(args.device)
+        roofline_machine = measure_machine(args.device, dtype)
     if mode == "offline":
         from pagoda.bench.runner_offline import run_offline, warm_up
         from pagoda.llm import LLM
@@ -125,7 +150,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         from pagoda.bench.baseline_hf import run_hf_baseline
 
         hf = run_hf_baseline(str(model_dir), work, [int(x) for x in args.hf_batch_sizes.split(",")],
-                             progress)
+                             progress, _hf_dtypes(args, dtype))
     config = {
         "model": args.model, "model_dir": str(model_dir), "mode": mode,
         "launch": bool(args.launch), "num_requests": len(work),
@@ -133,13 +158,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "output_len": str(args.output_len), "dataset": args.dataset, "seed": args.seed,
         "request_rate": args.request_rate if args.request_rate != float("inf") else None,
         "max_concurrency": args.max_concurrency, "engine": _engine_settings(args),
+        "engine_dtype": dtype,
     }
     report = build_report(config, records, scheduler, hf)
     if roofline_machine is not None:
         from pagoda.bench.roofline import ceiling, count_parameters
 
-        # the engine computes in fp32 on the CPU (PERFORMANCE.md); bf16/fp16 on a GPU
-        bytes_per_param = 4 if args.device == "cpu" else 2
+        bytes_per_param = 4 if dtype == "float32" else 2
         report["roofline"] = ceiling(roofline_machine, count_parameters(model_dir), bytes_per_param,
                                      report["pagoda"])
     return report

@@ -85,15 +85,18 @@ def format_text(report: dict[str, Any]) -> str:
                  f"/{_f(s['prefix_cache_queries'], 0)} tokens ({_pct(s['prefix_cache_hit_rate'])})")
     hf, cmp = report["baseline_hf"], report["comparison"]
     if hf is not None and cmp is not None:
-        ways = ", ".join(f"bs{k} {_f(v)}" for k, v in hf["static_batch_output_tok_s"].items())
-        lines.append(f"  HF generate output tok/s: {ways}; best bs{hf['best_batch_size']}")
+        for dtype, by_bs in hf["static_batch_output_tok_s"].items():
+            ways = ", ".join(f"bs{k} {_f(v)}" for k, v in by_bs.items())
+            lines.append(f"  HF generate ({dtype}) output tok/s: {ways}")
+        lines.append(f"  HF best: {hf['best_dtype']} bs{hf['best_batch_size']} {_f(hf['best_output_tok_s'])}")
         lines.append(f"  pagoda / HF best: {_f(cmp['output_tok_s_ratio_vs_hf_best'], 2)}x")
         if cmp["tpot_p50_ratio_vs_hf_bs1"] is not None:
-            lines.append(f"  TPOT p50 pagoda / HF one-at-a-time: {_f(cmp['tpot_p50_ratio_vs_hf_bs1'], 2)} "
+            lines.append(f"  TPOT p50 pagoda / HF one-at-a-time ({hf['one_at_a_time_dtype']}): "
+                         f"{_f(cmp['tpot_p50_ratio_vs_hf_bs1'], 2)} "
                          f"(pagoda at max concurrency {cmp['pagoda_max_concurrency'] or 'unlimited'})")
     r = report["roofline"]
     if r is not None:
-        lines.append(f"  machine: fp32 matmul {r['matmul_flops'] / 1e9:.1f} GFLOP/s, memory read "
+        lines.append(f"  machine: {r.get('matmul_dtype', 'float32')} matmul {r['matmul_flops'] / 1e9:.1f} GFLOP/s, memory read "
                      f"{r['mem_read_bytes_s'] / 1e9:.1f} GB/s; model {r['params'] / 1e6:.1f} M params "
                      f"x {r['bytes_per_param']} B")
         lines.append(f"  roofline at B = {r['batch']:.1f}: ceiling {_f(r['ceiling_output_tok_s'])} "

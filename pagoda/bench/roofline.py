@@ -1,7 +1,8 @@
 """``--roofline``: the machine's limits, and how close a run came to them.
 
-Measured here with torch, a few seconds in all: fp32 matmul FLOP/s (large square
-products) and memory read bandwidth (summing a buffer far larger than the caches).
+Measured here with torch, a few seconds in all: matmul FLOP/s in the dtype the engine
+computes in (large square products) and memory read bandwidth (summing a buffer far
+larger than the caches).
 
 The ceiling (``CEILING_DEFINITION``) is a roofline for the workload as run: every token
 (prompt or output) costs 2 x parameters FLOPs, and every decode step reads all the
@@ -71,12 +72,13 @@ def _timed(fn: Any, device: str, budget_s: float) -> float:
     return best
 
 
-def measure_matmul_flops(device: str = "cpu", n: int | None = None, budget_s: float = 1.5) -> float:
+def measure_matmul_flops(device: str = "cpu", n: int | None = None, budget_s: float = 1.5,
+                         dtype: str = "float32") -> float:
     import torch
 
     n = n or (8192 if device.startswith("cuda") else 1024)
-    a = torch.randn(n, n, device=device, dtype=torch.float32)
-    b = torch.randn(n, n, device=device, dtype=torch.float32)
+    a = torch.randn(n, n, device=device).to(getattr(torch, dtype))
+    b = torch.randn(n, n, device=device).to(getattr(torch, dtype))
     return 2 * n**3 / _timed(lambda: torch.mm(a, b), device, budget_s)
 
 
@@ -90,12 +92,14 @@ def measure_read_bandwidth(device: str = "cpu", num_bytes: int | None = None,
     return num_bytes / _timed(lambda: x.sum(), device, budget_s)
 
 
-def measure_machine(device: str = "cpu") -> dict[str, float]:
-    return {"matmul_flops": measure_matmul_flops(device),
+def measure_machine(device: str = "cpu", dtype: str = "float32") -> dict[str, Any]:
+    """``dtype``: the engine's compute dtype (bf16 doubles the matmul rate where the CPU
+    has native bf16, so the ceiling is measured in the dtype the run computes in)."""
+    return {"matmul_flops": measure_matmul_flops(device, dtype=dtype), "matmul_dtype": dtype,
             "mem_read_bytes_s": measure_read_bandwidth(device)}
 
 
-def ceiling(machine: dict[str, float], params: int, bytes_per_param: int, summary: dict[str, Any]
+def ceiling(machine: dict[str, Any], params: int, bytes_per_param: int, summary: dict[str, Any]
             ) -> dict[str, Any]:
     """The roofline of the run described by ``summary`` (``stats.summarize``'s dict)."""
     flops, bw = machine["matmul_flops"], machine["mem_read_bytes_s"]

@@ -14,7 +14,8 @@ through ``ignore_eos``; ``pagoda.bench.workload``) through ``LLM.generate``, bes
 transformers ``generate`` (``pagoda.bench.baseline_hf``)
 on the same requests in the same run, in static batches of each given size (left
 padding, ``min_new_tokens = max_new_tokens`` = the batch's longest output; only the
-requested tokens count). The ratio is against HF's best batch size.
+requested tokens count), in fp32 and in the dtype pagoda computes in (bf16 on a CPU with
+native bf16). The ratio is against HF's best batch size and dtype.
 """
 
 from __future__ import annotations
@@ -136,12 +137,18 @@ def main(argv: list[str] | None = None) -> None:
     work = make_workload(AutoTokenizer.from_pretrained(model_dir), args.requests, pr, orange)  # type: ignore[arg-type]
     print(f"{args.requests} requests, prompts {pr}, outputs {orange}, {sum(work.output_lens)} output tokens")
     ours = bench_llm(model_dir, work)
-    print(f"pagoda LLM: {ours:.1f} output tok/s", flush=True)
+    print(f"pagoda LLM (dtype auto): {ours:.1f} output tok/s", flush=True)
+    import torch
+
+    from services.worker.runner_builder import resolve_dtype
+
+    engine_dtype = str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
     best = 0.0
-    for bs in (int(x) for x in args.hf_batch_sizes.split(",")):
-        hf = bench_hf_static(model_dir, work, bs)
-        best = max(best, hf)
-        print(f"HF generate, static batch {bs}: {hf:.1f} output tok/s", flush=True)
+    for dtype in dict.fromkeys(("float32", engine_dtype)):
+        for bs in (int(x) for x in args.hf_batch_sizes.split(",")):
+            hf = bench_hf_static(model_dir, work, bs, dtype)
+            best = max(best, hf)
+            print(f"HF generate ({dtype}), static batch {bs}: {hf:.1f} output tok/s", flush=True)
     print(f"pagoda / HF best static batching: {ours / best:.2f}x (target >= 3x)")
 
 

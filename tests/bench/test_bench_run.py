@@ -22,7 +22,7 @@ def test_offline_bench_writes_consistent_json_and_png(tiny_llama_dir: Path, tmp_
     out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
     rc = pagoda_main(["bench", "--model", str(tiny_llama_dir), "--num-requests", "5",
                       "--prompt-len", "8,24", "--output-len", "fixed:6", "--max-concurrency", "3",
-                      "--baseline", "hf", "--hf-batch-sizes", "1,2", "--roofline",
+                      "--baseline", "hf", "--hf-batch-sizes", "1,2", "--roofline", "--dtype", "bfloat16",
                       "--output-json", str(out_json), "--output-png", str(out_png), "--no-progress"])
     assert rc == 0
     text = capsys.readouterr().out
@@ -34,6 +34,7 @@ def test_offline_bench_writes_consistent_json_and_png(tiny_llama_dir: Path, tmp_
     report = json.loads(out_json.read_text())
     assert set(report) == {"config", "pagoda", "baseline_hf", "comparison", "roofline", "samples"}
     assert report["config"]["mode"] == "offline" and report["config"]["max_concurrency"] == 3
+    assert report["config"]["engine_dtype"] == "bfloat16"
     p = report["pagoda"]
     assert (p["num_requests"], p["num_completed"], p["num_failed"]) == (5, 5, 0)
     assert p["output_tokens"] == 5 * 6  # exact lengths through ignore_eos
@@ -53,8 +54,11 @@ def test_offline_bench_writes_consistent_json_and_png(tiny_llama_dir: Path, tmp_
     assert 0 < s["kv_usage_peak"] <= 1
 
     hf = report["baseline_hf"]
-    assert set(hf["static_batch_output_tok_s"]) == {"1", "2"}
-    assert hf["best_output_tok_s"] == max(hf["static_batch_output_tok_s"].values())
+    assert set(hf["static_batch_output_tok_s"]) == {"float32", "bfloat16"}
+    ways = [v for by_bs in hf["static_batch_output_tok_s"].values() for v in by_bs.values()]
+    assert all(set(by_bs) == {"1", "2"} for by_bs in hf["static_batch_output_tok_s"].values())
+    assert hf["best_output_tok_s"] == max(ways)
+    assert hf["best_output_tok_s"] == hf["static_batch_output_tok_s"][hf["best_dtype"]][str(hf["best_batch_size"])]
     assert hf["one_at_a_time"]["output_tokens"] == 5 * 6
     cmp = report["comparison"]
     assert cmp["output_tok_s_ratio_vs_hf_best"] == pytest.approx(p["output_tok_s"] / hf["best_output_tok_s"])
@@ -62,6 +66,7 @@ def test_offline_bench_writes_consistent_json_and_png(tiny_llama_dir: Path, tmp_
         p["tpot_s"]["p50"] / hf["one_at_a_time"]["tpot_s"]["p50"])
     r = report["roofline"]
     assert r["matmul_flops"] > 1e8 and r["mem_read_bytes_s"] > 1e8
+    assert r["matmul_dtype"] == "bfloat16" and r["bytes_per_param"] == 2
     assert r["fraction"] == pytest.approx(p["output_tok_s"] / r["ceiling_output_tok_s"])
     assert report["samples"]["throughput_over_time"]["t_s"]
 
