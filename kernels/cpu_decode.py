@@ -1,11 +1,12 @@
 """CPU paged-attention decode: a C++ extension built at runtime, for the worker's CPU path.
 
 Same contract as ``reference.paged_decode_attention`` (cache layout in ``reference``)
-without its gather: the kernel in ``csrc/cpu_decode.cpp`` walks each sequence's block
-table and reads every K/V row once for all query heads of its KV head, on torch's own
-intra-op thread pool. It is compiled on first use with ``-march=native`` (the machine
-that builds it runs it) into the torch extensions cache (``TORCH_EXTENSIONS_DIR``);
-the extension name carries a hash of the source, so an edited source rebuilds.
+without its gather: the kernel (``csrc/cpu_decode.cpp``, block kernels in
+``csrc/cpu_decode_blocks.h``) walks each sequence's block table and reads every K/V row
+once for all query heads of its KV head, on torch's own intra-op thread pool. It is
+compiled on first use with ``-march=native`` (the machine that builds it runs it) into
+the torch extensions cache (``TORCH_EXTENSIONS_DIR``); the extension name carries a hash
+of the sources, flags, torch version and CPU flags, so any change rebuilds.
 ``available()`` reports whether the build worked; callers fall back to the reference.
 """
 
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import platform
+import re
 import threading
 import time
 from pathlib import Path
@@ -21,12 +24,11 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "cpu_decode.cpp"
-_OP_NAMESPACE = "pagoda_cpu_decode"  # must match TORCH_LIBRARY in the source
-_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
-# -fopenmp links libgomp.so.1, which resolves to the copy torch already loaded (same
-# soname), so at::parallel_for runs on torch's pool and no second runtime appears.
-_LDFLAGS = ["-fopenmp"]
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCE, _HEADERS = _CSRC / "cpu_decode.cpp", [_CSRC / "cpu_decode_blocks.h"]
+OP_NAMESPACE = "pagoda_cpu_decode"  # the source's default PAGODA_OP_NS
+# no -ffast-math: IEEE semantics (NaN, summation order as written) in every loop
+_CFLAGS = ["-O3", "-march=native", "-std=c++17"]
 DTYPES = (torch.float32, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
 MAX_HEAD_DIM = 256
@@ -35,22 +37,63 @@ _lock = threading.Lock()
 _built: bool | None = None  # None until the first available() call
 
 
-def _build() -> None:
+def _openmp_flags() -> tuple[list[str], list[str]]:  # compile flags, link flags
+    """Flags that put at::parallel_for on torch's own thread pool.
+
+    Under torch's OpenMP backend, ATen inlines parallel_for from its headers as an
+    ``omp parallel`` region: without -fopenmp it would run on one thread, and linked
+    against another OpenMP runtime than the one torch loaded it would start a second
+    pool. So link the runtime file this process has mapped. Other backends need only
+    ``omp simd``.
+    """
+    if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        return ["-fopenmp-simd"], []
+    try:
+        maps = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        maps = []
+    for line in maps:
+        path = line.split()[-1]
+        if re.search(r"/lib[gi]omp[^/]*\.so", path):
+            return ["-fopenmp"], [path]
+    return ["-fopenmp"], ["-fopenmp"]  # not found: the compiler's runtime, same soname hoped
+
+
+def _host_tag() -> str:
+    """What the binary depends on besides its source: torch's ABI and the CPU (-march=native)."""
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+        flags = next((ln for ln in cpuinfo.splitlines() if ln.startswith("flags")), "")
+    except OSError:
+        flags = platform.processor()
+    return f"{torch.__version__} {platform.machine()} {flags}"
+
+
+def build_library(namespace: str = OP_NAMESPACE, defines: tuple[str, ...] = ()) -> None:
+    """Compile (or load from the cache) the source as ``torch.ops.<namespace>``.
+
+    ``defines`` are extra ``-D`` flags; a variant (tests build the portable path with
+    PAGODA_PORTABLE) needs its own namespace, as a namespace registers once per process.
+    """
     from torch.utils.cpp_extension import load_inline
 
     source = _SOURCE.read_text()
-    digest = hashlib.sha256(" ".join([source, *_CFLAGS, *_LDFLAGS]).encode()).hexdigest()[:10]
+    headers = [h.read_text() for h in _HEADERS]  # part of the key: an edit must rebuild
+    omp_cflags, ldflags = _openmp_flags()
+    cflags = [*_CFLAGS, *omp_cflags, f"-DPAGODA_OP_NS={namespace}", *(f"-D{d}" for d in defines)]
+    key = "\n".join([source, *headers, *cflags, *ldflags, _host_tag()])
     start = time.perf_counter()
     load_inline(
-        name=f"pagoda_cpu_decode_{digest}",
+        name=f"{namespace}_{hashlib.sha256(key.encode()).hexdigest()[:10]}",
         cpp_sources=[source],
-        extra_cflags=_CFLAGS,
-        extra_ldflags=_LDFLAGS,
-        is_python_module=False,  # the library registers torch.ops.pagoda_cpu_decode
+        extra_cflags=cflags,
+        extra_ldflags=ldflags,
+        extra_include_paths=[str(_CSRC)],
+        is_python_module=False,  # the library registers its ops with torch on load
         no_implicit_headers=True,  # skip torch/extension.h (pybind): a faster build
         verbose=False,
     )
-    logger.info("cpu_decode extension ready in %.1f s", time.perf_counter() - start)
+    logger.info("%s extension ready in %.1f s", namespace, time.perf_counter() - start)
 
 
 def available() -> bool:
@@ -60,7 +103,7 @@ def available() -> bool:
         with _lock:
             if _built is None:
                 try:
-                    _build()
+                    build_library()
                     _built = True
                 except Exception as exc:  # a missing compiler, headers or source file
                     logger.warning("cpu_decode kernel unavailable, build failed: %s", exc)
@@ -68,46 +111,53 @@ def available() -> bool:
     return _built
 
 
-def _check(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    out: torch.Tensor | None,
+def _check_shapes(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    block_tables: torch.Tensor, seq_lens: torch.Tensor,
 ) -> None:
-    """Raise ValueError for anything the kernel does not read as documented."""
     if query.ndim != 3 or k_cache.ndim != 4:
-        raise ValueError(f"query must be 3-D and k_cache 4-D, got {query.ndim}-D, {k_cache.ndim}-D")
+        raise ValueError(f"query must be 3-D, k_cache 4-D; got {query.ndim}-D, {k_cache.ndim}-D")
     if v_cache.shape != k_cache.shape:
-        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
-    if query.dtype not in DTYPES or k_cache.dtype != query.dtype or v_cache.dtype != query.dtype:
-        raise ValueError(
-            f"query/k_cache/v_cache must share a dtype in {DTYPES}, got "
-            f"{query.dtype}/{k_cache.dtype}/{v_cache.dtype}"
-        )
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} != v_cache {tuple(v_cache.shape)}")
     batch, num_heads, head_dim = query.shape
-    num_kv_heads = k_cache.shape[2]
-    if k_cache.shape[3] != head_dim or head_dim % 8 or not 0 < head_dim <= MAX_HEAD_DIM:
+    num_kv_heads, cache_head_dim = k_cache.shape[2:]
+    if cache_head_dim != head_dim or head_dim % 8 or not 0 < head_dim <= MAX_HEAD_DIM:
         raise ValueError(
-            f"head_dim {head_dim} (cache {k_cache.shape[3]}) must match, be a multiple "
-            f"of 8 and at most {MAX_HEAD_DIM}"
+            f"head_dim {head_dim} (cache: {cache_head_dim}) must match and be a multiple "
+            f"of 8 up to {MAX_HEAD_DIM}"
         )
     if num_kv_heads == 0 or num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    if block_tables.ndim != 2 or block_tables.shape[0] != batch:
-        raise ValueError(f"block_tables must be [batch={batch}, max_blocks], got {tuple(block_tables.shape)}")
-    if seq_lens.shape != (batch,):
-        raise ValueError(f"seq_lens must be [batch={batch}], got {tuple(seq_lens.shape)}")
+    if block_tables.ndim != 2 or block_tables.shape[0] != batch or seq_lens.shape != (batch,):
+        raise ValueError(
+            f"block_tables must be [{batch}, max_blocks] and seq_lens [{batch}]; got "
+            f"{tuple(block_tables.shape)} and {tuple(seq_lens.shape)}"
+        )
+
+
+def _check(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor | None,
+) -> None:
+    """Raise ValueError for anything the kernel would not read as documented."""
+    _check_shapes(query, k_cache, v_cache, block_tables, seq_lens)
+    if query.dtype not in DTYPES or not query.dtype == k_cache.dtype == v_cache.dtype:
+        raise ValueError(
+            f"query, k_cache, v_cache must share a dtype in {DTYPES}; got "
+            f"{query.dtype}, {k_cache.dtype}, {v_cache.dtype}"
+        )
     if block_tables.dtype not in INDEX_DTYPES or seq_lens.dtype not in INDEX_DTYPES:
-        raise ValueError(f"block_tables/seq_lens must be int32 or int64, got {block_tables.dtype}/{seq_lens.dtype}")
+        raise ValueError(
+            f"block_tables and seq_lens must be int32 or int64; got "
+            f"{block_tables.dtype}, {seq_lens.dtype}"
+        )
     tensors = [query, k_cache, v_cache, block_tables, seq_lens]
     if out is not None:
         if out.shape != query.shape or out.dtype != query.dtype:
-            raise ValueError(f"out must be {tuple(query.shape)} {query.dtype}, got {tuple(out.shape)} {out.dtype}")
+            raise ValueError(f"out must be like query; got {tuple(out.shape)} {out.dtype}")
         tensors.append(out)
     if any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
-        raise ValueError("all tensors must be contiguous CPU tensors")
+        raise ValueError("every tensor must be a contiguous CPU tensor")
 
 
 def paged_decode_attention(
@@ -121,19 +171,20 @@ def paged_decode_attention(
     *,
     partition_size: int | None = None,  # tokens per split-K partition; None: heuristic
 ) -> torch.Tensor:  # [batch, num_heads, head_dim], query dtype
-    """Decode attention over the paged cache; fp32 or bf16 in, fp32 accumulation.
+    """Decode attention over the paged cache: fp32 or bf16 in, fp32 accumulation.
 
-    Every seq_len must be at least 1 (a decode token always sees itself) and fit its
-    block-table row; the kernel checks this and every block id it reads, raising
-    ValueError. Query head h reads KV head h // (num_heads // num_kv_heads).
+    Every seq_len must be at least 1 (a decode token always sees itself) and fit in its
+    block-table row; the kernel checks that and every block id it reads (ValueError).
+    Query head h reads KV head h // (num_heads // num_kv_heads). Raises RuntimeError
+    when the extension did not build (check ``available()`` first).
     """
     _check(query, k_cache, v_cache, block_tables, seq_lens, out)
+    if partition_size is not None and partition_size < 1:
+        raise ValueError(f"partition_size must be positive, got {partition_size}")
     if not available():
-        raise RuntimeError("the cpu_decode extension failed to build; see the logged warning")
+        raise RuntimeError("the cpu_decode extension did not build; see the logged warning")
     if out is None:
         out = torch.empty_like(query)
-    if query.shape[0] == 0:
-        return out
-    op = getattr(torch.ops, _OP_NAMESPACE).decode
+    op = getattr(torch.ops, OP_NAMESPACE).decode
     op(out, query, k_cache, v_cache, block_tables, seq_lens, float(scale), partition_size or 0)
     return out

@@ -24,12 +24,14 @@ MODELS = ["tiny_llama_dir", "tiny_llama3_rope_dir", "tiny_qwen2_dir", "smollm2_d
 
 def make_runner(model_dir: Path, num_blocks: int = 256, block_size: int = 16,
                 packed: bool = True, dtype: torch.dtype = torch.float32) -> ModelRunner:
-    """The production CPU path packs the linears for oneDNN (layers/linear.py)."""
+    """The production CPU path packs the linears for oneDNN (layers/linear.py) and runs
+    the default CPU attention backend (the C++ decode kernel where it builds); the plain
+    path runs F.linear and the pure torch attention backend."""
     model = load_model(model_dir, dtype)
     if packed:
         assert pack_cpu_linears(model) > 0, "oneDNN packing did not apply on this CPU"
-    return ModelRunner(model, get_attention_backend(torch.device("cpu")), num_blocks, block_size,
-                       kv_dtype=dtype)
+    backend = get_attention_backend(torch.device("cpu"), None if packed else "torch")
+    return ModelRunner(model, backend, num_blocks, block_size, kv_dtype=dtype)
 
 
 def assert_logits_close(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
@@ -38,7 +40,7 @@ def assert_logits_close(ours: torch.Tensor, ref: torch.Tensor, what: str) -> Non
     assert diff <= 1e-3 * logit_range, f"{what}: max abs diff {diff:.3g}, range {logit_range:.3g}"
 
 
-@pytest.mark.parametrize("packed", [True, False], ids=["onednn", "plain"])
+@pytest.mark.parametrize("packed", [True, False], ids=["production", "plain"])
 @pytest.mark.parametrize("model_fixture", MODELS)
 def test_prefill_and_decode_logits_match_hf(model_fixture: str, packed: bool,
                                             request: pytest.FixtureRequest) -> None:

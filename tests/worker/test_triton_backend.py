@@ -30,9 +30,14 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 def test_selector_defaults_and_override(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(ENV_VAR, raising=False)
-    assert default_backend_name(torch.device("cpu")) == "torch"
+    from kernels import cpu_decode
+
+    cpu_default = "cpu" if cpu_decode.available() else "torch"
+    assert default_backend_name(torch.device("cpu")) == cpu_default
     assert default_backend_name(torch.device("cuda")) == ("triton" if HAS_TRITON else "torch")
-    assert get_attention_backend(torch.device("cpu")).name == "torch"
+    assert get_attention_backend(torch.device("cpu")).name == cpu_default
+    monkeypatch.setenv(ENV_VAR, "cpu")
+    assert get_attention_backend(torch.device("cpu")).name == "cpu"
     monkeypatch.setenv(ENV_VAR, "torch")
     assert get_attention_backend(torch.device("cuda")).name == "torch"
     if HAS_TRITON and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):

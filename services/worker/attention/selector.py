@@ -1,6 +1,7 @@
 """Chooses the attention backend for a device; PAGODA_ATTENTION_BACKEND overrides.
 
-Triton on CUDA when the triton package is installed, torch otherwise. The Triton
+Triton on CUDA when the triton package is installed; on the CPU the C++ decode kernel
+(``cpu``) when it builds on this machine, else the pure torch path. The Triton
 backend module is imported only when chosen: importing it decorates the kernels,
 which fixes whether they run compiled or in the interpreter (TRITON_INTERPRET).
 """
@@ -14,7 +15,7 @@ from collections.abc import Callable
 import torch
 
 from services.worker.attention.base import AttentionBackend
-from services.worker.attention.torch_backend import TorchAttentionBackend
+from services.worker.attention.torch_backend import CpuAttentionBackend, TorchAttentionBackend
 
 ENV_VAR = "PAGODA_ATTENTION_BACKEND"
 
@@ -27,17 +28,21 @@ def _triton_backend() -> AttentionBackend:
 
 _BACKENDS: dict[str, Callable[[], AttentionBackend]] = {
     "torch": TorchAttentionBackend,
+    "cpu": CpuAttentionBackend,
     "triton": _triton_backend,
 }
 
 
 def default_backend_name(device: torch.device) -> str:
-    has_triton = importlib.util.find_spec("triton") is not None
-    return "triton" if device.type == "cuda" and has_triton else "torch"
+    if device.type == "cuda":
+        return "triton" if importlib.util.find_spec("triton") is not None else "torch"
+    from kernels import cpu_decode
+
+    return "cpu" if cpu_decode.available() else "torch"
 
 
 def get_attention_backend(device: torch.device, override: str | None = None) -> AttentionBackend:
-    """torch on the CPU, Triton on CUDA; ``override`` or the env variable wins."""
+    """See the module docstring; ``override`` or the env variable wins."""
     name = override or os.environ.get(ENV_VAR) or default_backend_name(device)
     if name not in _BACKENDS:
         raise ValueError(

@@ -1,6 +1,7 @@
 """The torch attention backend: the CPU path (and a fallback anywhere torch runs).
 
-Decodes go through one batched call over gathered K/V; each prefill goes through
+Decodes go through one batched call over gathered K/V (``CpuAttentionBackend``: through
+the C++ paged-decode kernel instead, no gather); each prefill goes through
 SDPA, on the fresh K/V when it has no cached context and on K/V gathered from the
 cache when it does (chunked prefill, prefix-cache hits).
 """
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import reference
+from kernels import cpu_decode, reference
 from services.worker.attention.base import AttentionBackend, AttentionMetadata
 
 
@@ -30,16 +31,7 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty_like(query)
         nd = meta.num_decodes
         if nd:
-            max_decode_len = max(meta.seq_lens_host[:nd])
-            plan = meta.backend_state.get("torch_decode_plan")
-            if plan is None:  # the first layer of the step builds it for all the others
-                plan = reference.make_decode_plan(meta.block_tables[:nd], meta.seq_lens[:nd],
-                                                  max_decode_len, k_cache.shape[1], query.dtype)
-                meta.backend_state["torch_decode_plan"] = plan
-            out[:nd] = reference.paged_decode_attention(
-                query[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
-                max_decode_len, scale, plan,
-            )
+            self._decode(query[:nd], k_cache, v_cache, meta, scale, out[:nd])
         qsl = meta.query_start_loc_host
         for i in range(nd, meta.num_seqs):
             start, end, seq_len = qsl[i], qsl[i + 1], meta.seq_lens_host[i]
@@ -50,3 +42,32 @@ class TorchAttentionBackend(AttentionBackend):
                 v = reference.gather_kv(v_cache, meta.block_tables[i], seq_len)
             out[start:end] = reference.prefill_attention(query[start:end], k, v, scale)
         return out
+
+    def _decode(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+        """The decodes (the first ``len(query)`` sequences) into ``out``."""
+        nd = query.shape[0]
+        max_decode_len = max(meta.seq_lens_host[:nd])
+        plan = meta.backend_state.get("torch_decode_plan")
+        if plan is None:  # the first layer of the step builds it for all the others
+            plan = reference.make_decode_plan(meta.block_tables[:nd], meta.seq_lens[:nd],
+                                              max_decode_len, k_cache.shape[1], query.dtype)
+            meta.backend_state["torch_decode_plan"] = plan
+        out.copy_(reference.paged_decode_attention(
+            query, k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
+            max_decode_len, scale, plan,
+        ))
+
+
+class CpuAttentionBackend(TorchAttentionBackend):
+    """The torch backend with decodes through the C++ kernel (``kernels/cpu_decode.py``):
+    it reads each K/V row of the paged cache once, where the torch path first gathers
+    the rows into a padded copy and then runs SDPA over it."""
+
+    name = "cpu"
+
+    def _decode(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+        nd = query.shape[0]
+        cpu_decode.paged_decode_attention(query, k_cache, v_cache, meta.block_tables[:nd],
+                                          meta.seq_lens[:nd], scale, out=out)

@@ -1,0 +1,200 @@
+// Block kernels of the CPU paged decode (cpu_decode.cpp): for one block of one
+// sequence, the scores of every query head against the block's K rows, and the
+// softmax-weighted sum of its V rows. An AVX-512 version (query tiles in registers, 16
+// tokens' dot products reduced together) and a portable one; both take any head_dim
+// (AVX-512 masks the last 16-wide chunk) and fp32 or bf16 (as uint16_t bits) caches.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    !defined(PAGODA_PORTABLE)
+#define PAGODA_AVX512 1
+#include <immintrin.h>
+#endif
+
+namespace pagoda_cpu_decode {
+
+inline float to_f32(float x) { return x; }
+inline float to_f32(uint16_t bf16_bits) {  // bf16 is the top half of an fp32
+  const uint32_t u = static_cast<uint32_t>(bf16_bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+struct Shape {
+  int64_t batch, num_heads, num_kv_heads, group, head_dim, block_size, max_blocks;
+  int64_t row_stride;             // elements from one token's row to the next: kv_heads * D
+  int64_t num_parts, part_tokens;  // partitions per sequence, tokens per partition
+};
+
+// One block's share of an item: tokens [0, n) of a block whose rows ([block_size,
+// num_kv_heads, D]) start at `rows`, at positions [pos, pos + n) of the partition.
+struct BlockView {
+  int64_t n, pos;
+};
+
+#ifdef PAGODA_AVX512
+// The query heads of one kv head are taken in tiles of up to kTile rows: a tile's
+// accumulators stay in registers while each K/V row is loaded (and widened) once.
+constexpr int kTile = 4;
+
+inline __mmask16 chunk_mask(int64_t left) {  // lanes of a 16-wide chunk inside head_dim
+  return left >= 16 ? __mmask16(0xFFFF) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
+}
+inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16(const uint16_t* p, __mmask16 m) {  // bf16 is the top half of an fp32
+  const __m256i h = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// r[i] = sum of the lanes of v[i], i < 16: a pairwise tree of unpacks and lane shuffles,
+// ~3 instructions per result instead of a full horizontal sum each.
+__attribute__((always_inline)) inline __m512 reduce16(const __m512* v) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3]
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: the 4 rows' partial sums
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int i = 0; i < 2; ++i)  // fold 128-bit lanes pairwise
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88),
+                       _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+}
+
+// scores[i, pos + t] = q[i] . k[t] for the GT query rows of a tile (q: [GT, D]; scores:
+// rows part_tokens apart) and the block's tokens (k: the tile's kv head in the block).
+// Per 64-wide slice of head_dim the tile's query slice stays in registers across 16
+// tokens; the 16 tokens' lane partial sums are then reduced together.
+template <int GT, typename T>
+void scores_tile(const Shape& s, const T* k, BlockView bv, const float* q, float* scores) {
+  const int64_t D = s.head_dim;
+  __m512 dots[GT][16];
+  for (int64_t t0 = 0; t0 < bv.n; t0 += 16) {
+    const int64_t nt = std::min<int64_t>(16, bv.n - t0);
+    for (int i = 0; i < GT; ++i)
+      for (int t = 0; t < 16; ++t) dots[i][t] = _mm512_setzero_ps();
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+      __mmask16 m[4];
+      __m512 qr[GT][4];
+      for (int c = 0; c < 4; ++c) {
+        m[c] = chunk_mask(D - d0 - 16 * c);
+        for (int i = 0; i < GT; ++i) qr[i][c] = load16(q + i * D + d0 + 16 * c, m[c]);
+      }
+      for (int64_t t = 0; t < nt; ++t) {
+        const T* kt = k + (t0 + t) * s.row_stride + d0;
+        __m512 kc[4];
+        for (int c = 0; c < 4; ++c) kc[c] = load16(kt + 16 * c, m[c]);
+        for (int i = 0; i < GT; ++i) {
+          __m512 a = dots[i][t];
+          for (int c = 0; c < 4; ++c) a = _mm512_fmadd_ps(qr[i][c], kc[c], a);
+          dots[i][t] = a;
+        }
+      }
+    }
+    for (int i = 0; i < GT; ++i)
+      _mm512_mask_storeu_ps(scores + i * s.part_tokens + bv.pos + t0, chunk_mask(nt),
+                            reduce16(dots[i]));
+  }
+}
+
+// acc[i] += sum_t p[i, pos + t] * v[t] for the GT rows of a tile (acc: [GT, D]). A
+// 64-wide slice of the tile's accumulators stays in registers across the block.
+template <int GT, typename T>
+void accumulate_tile(const Shape& s, const T* v, BlockView bv, const float* p, float* acc) {
+  const int64_t D = s.head_dim;
+  const float* pt = p + bv.pos;
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    __mmask16 m[4];
+    __m512 a[GT][4];
+    for (int c = 0; c < 4; ++c) {
+      m[c] = chunk_mask(D - d0 - 16 * c);
+      for (int i = 0; i < GT; ++i) a[i][c] = load16(acc + i * D + d0 + 16 * c, m[c]);
+    }
+    for (int64_t t = 0; t < bv.n; ++t) {
+      const T* vt = v + t * s.row_stride + d0;
+      __m512 w[GT];
+      for (int i = 0; i < GT; ++i) w[i] = _mm512_set1_ps(pt[i * s.part_tokens + t]);
+      for (int c = 0; c < 4; ++c) {
+        const __m512 vc = load16(vt + 16 * c, m[c]);
+        for (int i = 0; i < GT; ++i) a[i][c] = _mm512_fmadd_ps(w[i], vc, a[i][c]);
+      }
+    }
+    for (int c = 0; c < 4; ++c)
+      for (int i = 0; i < GT; ++i) _mm512_mask_storeu_ps(acc + i * D + d0 + 16 * c, m[c], a[i][c]);
+  }
+}
+
+// Calls tile<gt>(kv head, first head of the tile) over every tile of every kv head.
+template <typename Fn>
+void for_each_tile(const Shape& s, Fn&& tile) {
+  for (int64_t kvh = 0; kvh < s.num_kv_heads; ++kvh)
+    for (int64_t g0 = 0; g0 < s.group; g0 += kTile) {
+      const int64_t h = kvh * s.group + g0;
+      switch (std::min<int64_t>(kTile, s.group - g0)) {
+        case 1: tile(std::integral_constant<int, 1>{}, kvh, h); break;
+        case 2: tile(std::integral_constant<int, 2>{}, kvh, h); break;
+        case 3: tile(std::integral_constant<int, 3>{}, kvh, h); break;
+        default: tile(std::integral_constant<int, 4>{}, kvh, h); break;
+      }
+    }
+}
+
+template <typename T>
+void block_scores(const Shape& s, const T* rows, BlockView bv, const float* q, float* scores) {
+  for_each_tile(s, [&](auto gt, int64_t kvh, int64_t h) {
+    scores_tile<decltype(gt)::value>(s, rows + kvh * s.head_dim, bv, q + h * s.head_dim,
+                                     scores + h * s.part_tokens);
+  });
+}
+
+template <typename T>
+void block_accumulate(const Shape& s, const T* rows, BlockView bv, const float* p, float* acc) {
+  for_each_tile(s, [&](auto gt, int64_t kvh, int64_t h) {
+    accumulate_tile<decltype(gt)::value>(s, rows + kvh * s.head_dim, bv,
+                                         p + h * s.part_tokens, acc + h * s.head_dim);
+  });
+}
+#else
+// scores[h, pos + t] = q[h] . k[t, h / G]
+template <typename T>
+void block_scores(const Shape& s, const T* rows, BlockView bv, const float* q, float* scores) {
+  const int64_t D = s.head_dim;
+  for (int64_t t = 0; t < bv.n; ++t) {
+    for (int64_t h = 0; h < s.num_heads; ++h) {
+      const float* qh = q + h * D;
+      const T* k = rows + t * s.row_stride + (h / s.group) * D;
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < D; ++d) dot += qh[d] * to_f32(k[d]);
+      scores[h * s.part_tokens + bv.pos + t] = dot;
+    }
+  }
+}
+
+// acc[h] += sum_t p[h, pos + t] * v[t, h / G]
+template <typename T>
+void block_accumulate(const Shape& s, const T* rows, BlockView bv, const float* p, float* acc) {
+  const int64_t D = s.head_dim;
+  for (int64_t t = 0; t < bv.n; ++t) {
+    for (int64_t h = 0; h < s.num_heads; ++h) {
+      const float w = p[h * s.part_tokens + bv.pos + t];
+      const T* v = rows + t * s.row_stride + (h / s.group) * D;
+      float* ah = acc + h * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) ah[d] += w * to_f32(v[d]);
+    }
+  }
+}
+#endif
+
+}  // namespace pagoda_cpu_decode

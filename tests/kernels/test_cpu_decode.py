@@ -1,0 +1,168 @@
+"""The C++ CPU paged decode kernel (kernels.cpu_decode) against the torch reference.
+
+Caches are NaN outside the slots a sequence owns (kernel_cases.paged_cache), so a read
+past a sequence's end shows as NaN; the reference gets the same cache with the NaN
+zeroed, as its padded gather would otherwise propagate them. Cases: fp32 and bf16,
+head_dim 32/64/128 (and 40, 256), block sizes 16/32, GQA groups 1/3/4, lengths 1, on
+and off block boundaries, shuffled block tables, int32/int64 indices, batch 1 and 17,
+split-K partitions (forced and heuristic, some empty), and the portable non-AVX-512
+build (slow: a second compile).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernel_cases import assert_close, block_tables_for, paged_cache
+from kernels import cpu_decode, reference
+
+if not cpu_decode.available():
+    pytest.skip("the cpu_decode extension did not build", allow_module_level=True)
+
+
+def _inputs(
+    seq_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+    dtype: torch.dtype, index_dtype: torch.dtype = torch.int32, seed: int = 0,
+) -> tuple[torch.Tensor, ...]:  # query, k, v, tables, lens
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-n // block_size) for n in seq_lens) + 3
+    tables = block_tables_for(seq_lens, block_size, num_blocks, gen)
+    k, v = paged_cache(seq_lens, tables, num_blocks, block_size, num_kv_heads, head_dim, dtype, gen)
+    query = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen).to(dtype)
+    return query, k, v, tables.to(index_dtype), torch.tensor(seq_lens, dtype=index_dtype)
+
+
+def _reference(
+    query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor
+) -> torch.Tensor:  # fp32 [batch, heads, head_dim]
+    k, v = k.float().nan_to_num(0.0), v.float().nan_to_num(0.0)
+    max_len, scale = int(lens.max()), query.shape[-1] ** -0.5
+    return reference.paged_decode_attention(query.float(), k, v, tables, lens, max_len, scale)
+
+
+def _check(
+    seq_lens: list[int], *shape: int, dtype: torch.dtype,
+    index_dtype: torch.dtype = torch.int32, partition_size: int | None = None,
+) -> None:
+    query, k, v, tables, lens = _inputs(seq_lens, *shape, dtype, index_dtype)
+    scale = query.shape[-1] ** -0.5
+    out = cpu_decode.paged_decode_attention(
+        query, k, v, tables, lens, scale, partition_size=partition_size
+    )
+    assert out.dtype == dtype and out.shape == query.shape
+    what = f"lens={seq_lens} heads/kv/D/bs={shape} {index_dtype} partition={partition_size}"
+    assert_close(out, _reference(query, k, v, tables, lens), dtype, what)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (9, 3), (8, 2)])
+def test_matches_reference(
+    dtype: torch.dtype, head_dim: int, block_size: int, num_heads: int, num_kv_heads: int
+) -> None:
+    # length 1, one short of a block, exactly one and two blocks, one past, ragged
+    lens = [1, block_size - 1, block_size, block_size + 1, 2 * block_size, 3 * block_size - 5]
+    _check(lens, num_heads, num_kv_heads, head_dim, block_size, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_batch_17_ragged(dtype: torch.dtype, index_dtype: torch.dtype) -> None:
+    lens = torch.randint(1, 300, (17,), generator=torch.Generator().manual_seed(3)).tolist()
+    _check(lens, 9, 3, 64, 16, dtype=dtype, index_dtype=index_dtype)
+
+
+@pytest.mark.parametrize("head_dim", [40, 256])  # a masked last chunk; the largest
+def test_other_head_dims(head_dim: int) -> None:
+    _check([5, 33, 70], 8, 2, head_dim, 16, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("partition_size", [None, 16, 48, 200])
+def test_partitions(dtype: torch.dtype, partition_size: int | None) -> None:
+    # batch 1 with a long context splits under the heuristic; the short sequences leave
+    # trailing partitions empty; 200 is rounded up to a multiple of the block size
+    _check([1000], 9, 3, 64, 16, dtype=dtype, partition_size=partition_size)
+    _check([1, 17, 700, 31], 9, 3, 64, 16, dtype=dtype, partition_size=partition_size)
+
+
+def test_mixed_index_dtypes_and_out() -> None:
+    query, k, v, tables, lens = _inputs([7, 40, 16], 9, 3, 64, 16, torch.bfloat16)
+    out = torch.empty_like(query)
+    got = cpu_decode.paged_decode_attention(query, k, v, tables.long(), lens.int(), 0.125, out)
+    assert got is out
+    ref = cpu_decode.paged_decode_attention(query, k, v, tables.int(), lens.long(), 0.125)
+    assert torch.equal(out, ref)
+
+
+def test_thread_count_does_not_change_results() -> None:
+    query, k, v, tables, lens = _inputs([300, 5, 129], 9, 3, 64, 16, torch.float32)
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, max(2, threads)):
+            torch.set_num_threads(n)
+            outs.append(
+                cpu_decode.paged_decode_attention(query, k, v, tables, lens, 0.1, partition_size=64)
+            )
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])
+
+
+def _bad_inputs() -> list[tuple[str, tuple]]:
+    query, k, v, tables, lens = _inputs([7, 20], 4, 2, 32, 16, torch.float32)
+    return [
+        ("query dtype", (query.bfloat16(), k, v, tables, lens)),
+        ("v dtype", (query, k, v.double(), tables, lens)),
+        ("fp16", (query.half(), k.half(), v.half(), tables, lens)),
+        ("query ndim", (query[0], k, v, tables, lens)),
+        ("cache ndim", (query, k[0], v[0], tables, lens)),
+        ("k/v shapes", (query, k, v[:, :8], tables, lens)),
+        ("head_dim", (query[..., :16].contiguous(), k, v, tables, lens)),
+        ("heads", (query[:, :3].contiguous(), k, v, tables, lens)),
+        ("table dtype", (query, k, v, tables.float(), lens)),
+        ("table ndim", (query, k, v, tables[0], lens)),
+        ("lens shape", (query, k, v, tables, lens[:1])),
+        ("non-contiguous", (query.mT.contiguous().mT, k, v, tables, lens)),
+        ("seq_len 0", (query, k, v, tables, torch.tensor([0, 20], dtype=torch.int32))),
+        ("seq_len too long", (query, k, v, tables, torch.tensor([7, 33], dtype=torch.int32))),
+        ("block id", (query, k, v, torch.full_like(tables, k.shape[0]), lens)),
+    ]
+
+
+@pytest.mark.parametrize("case", _bad_inputs(), ids=lambda c: c[0])
+def test_bad_inputs_raise_value_error(case: tuple[str, tuple]) -> None:
+    with pytest.raises(ValueError):
+        cpu_decode.paged_decode_attention(*case[1], 0.1)
+
+
+def test_failed_build_is_reported_once(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(cpu_decode, "_built", None)
+    monkeypatch.setattr(cpu_decode, "_SOURCE", tmp_path / "missing.cpp")
+    assert not cpu_decode.available() and not cpu_decode.available()
+    assert len([r for r in caplog.records if r.levelname == "WARNING"]) == 1
+    query, k, v, tables, lens = _inputs([3], 4, 2, 32, 16, torch.float32)
+    with pytest.raises(RuntimeError, match="did not build"):
+        cpu_decode.paged_decode_attention(query, k, v, tables, lens, 0.1)
+
+
+@pytest.mark.slow
+def test_portable_build() -> None:
+    namespace = "pagoda_cpu_decode_portable"
+    cpu_decode.build_library(namespace, defines=("PAGODA_PORTABLE",))
+    ops = getattr(torch.ops, namespace)
+    assert not ops.uses_avx512()
+    for dtype in (torch.float32, torch.bfloat16):
+        for shape in [(9, 3, 64, 16), (8, 2, 40, 32)]:
+            query, k, v, tables, lens = _inputs([1, 31, 200], *shape, dtype)
+            out = torch.empty_like(query)
+            ops.decode(out, query, k, v, tables, lens, shape[2] ** -0.5, 64)
+            ref = _reference(query, k, v, tables, lens)
+            assert_close(out, ref, dtype, f"portable {shape} {dtype}")
