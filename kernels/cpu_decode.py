@@ -18,6 +18,7 @@ import platform
 import re
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -69,18 +70,26 @@ def _host_tag() -> str:
     return f"{torch.__version__} {platform.machine()} {flags}"
 
 
-def build_library(namespace: str = OP_NAMESPACE, defines: tuple[str, ...] = ()) -> None:
+def build_library(
+    namespace: str = OP_NAMESPACE, defines: tuple[str, ...] = (), *,
+    source_file: Path | None = None, header_files: Sequence[Path] | None = None,
+    extra_cflags: tuple[str, ...] = (),
+) -> None:
     """Compile (or load from the cache) the source as ``torch.ops.<namespace>``.
 
     ``defines`` are extra ``-D`` flags; a variant (tests build the portable path with
     PAGODA_PORTABLE) needs its own namespace, as a namespace registers once per process.
+    Another extension (``cpu_fused``) passes its own source, headers and extra flags;
+    None means this module's (looked up at call time).
     """
     from torch.utils.cpp_extension import load_inline
 
-    source = _SOURCE.read_text()
-    headers = [h.read_text() for h in _HEADERS]  # part of the key: an edit must rebuild
+    source = (source_file or _SOURCE).read_text()
+    # part of the key: an edit must rebuild
+    headers = [h.read_text() for h in (_HEADERS if header_files is None else header_files)]
     omp_cflags, ldflags = _openmp_flags()
-    cflags = [*_CFLAGS, *omp_cflags, f"-DPAGODA_OP_NS={namespace}", *(f"-D{d}" for d in defines)]
+    cflags = [*_CFLAGS, *extra_cflags, *omp_cflags, f"-DPAGODA_OP_NS={namespace}",
+              *(f"-D{d}" for d in defines)]
     key = "\n".join([source, *headers, *cflags, *ldflags, _host_tag()])
     start = time.perf_counter()
     load_inline(

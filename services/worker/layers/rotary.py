@@ -2,6 +2,8 @@
 
 Supported ``rope_scaling`` types: default, ``linear`` (positions divided by the
 factor) and ``llama3`` (wavelength-dependent frequency scaling of Llama 3.1+).
+On the CPU in fp32 / bf16 the rotation runs as one C++ kernel (``kernels.cpu_fused``,
+same rounding) where that extension builds; ``fused=False`` keeps the torch ops.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from kernels import cpu_fused
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
@@ -44,10 +48,12 @@ def rope_inv_freq(head_dim: int, base: float, scaling: dict[str, Any] | None) ->
 
 class RotaryEmbedding(nn.Module):
     def __init__(
-        self, head_dim: int, max_position: int, base: float, scaling: dict[str, Any] | None
+        self, head_dim: int, max_position: int, base: float, scaling: dict[str, Any] | None,
+        fused: bool = True,
     ) -> None:
         super().__init__()
         self.head_dim, self.max_position, self.base, self.scaling = head_dim, max_position, base, scaling
+        self.fused = fused
         # [max_position, head_dim // 2] each
         self.register_buffer("cos_cache", torch.empty(max_position, head_dim // 2), persistent=False)
         self.register_buffer("sin_cache", torch.empty(max_position, head_dim // 2), persistent=False)
@@ -68,7 +74,13 @@ class RotaryEmbedding(nn.Module):
         positions: torch.Tensor,  # [num_tokens] int64
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # new contiguous tensors, shaped as the inputs
+        if (
+            self.fused and query.is_cpu and query.dtype in cpu_fused.DTYPES
+            and key.dtype == query.dtype and self.cos_cache.dtype == torch.float32
+            and cpu_fused.available()
+        ):  # reads the q / k slices of the qkv projection in place
+            return cpu_fused.rotary(query, key, positions, self.cos_cache, self.sin_cache)
         cos = self.cos_cache.index_select(0, positions)[:, None, :]  # [T, 1, D/2]
         sin = self.sin_cache.index_select(0, positions)[:, None, :]
         return _rotate(query, cos, sin), _rotate(key, cos, sin)

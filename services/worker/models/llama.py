@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import cpu_fused
 from services.worker.attention.base import AttentionBackend, AttentionMetadata
 from services.worker.layers.linear import linear
 from services.worker.layers.norm import RMSNorm
@@ -68,8 +69,9 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     PACKED_WEIGHTS = ("gate_up_weight", "down_weight")
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, fused: bool = True) -> None:
         super().__init__()
+        self.fused = fused  # kernels.cpu_fused.silu_mul where it applies
         self.gate_up_weight_packed: torch.Tensor | None = None
         self.down_weight_packed: torch.Tensor | None = None
         self.intermediate_size = config.intermediate_size
@@ -80,8 +82,15 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = linear(x, self.gate_up_weight, self.gate_up_bias, self.gate_up_weight_packed)
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return linear(F.silu(gate) * up, self.down_weight, self.down_bias, self.down_weight_packed)
+        if (
+            self.fused and gate_up.is_cpu and gate_up.dtype in cpu_fused.DTYPES
+            and cpu_fused.available()
+        ):
+            act = cpu_fused.silu_mul(gate_up)  # one C++ pass, the same rounding
+        else:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            act = F.silu(gate) * up
+        return linear(act, self.down_weight, self.down_bias, self.down_weight_packed)
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -1,0 +1,91 @@
+"""Fused CPU kernels for the decoder layer's small ops: RMSNorm (+ residual add), rotary
+embedding, SiLU-and-multiply. A C++ extension built at first use, like ``cpu_decode``.
+
+At batch 1 a CPU decode step spends much of its time dispatching a few hundred small
+torch ops per layer; each kernel here (``csrc/cpu_fused.cpp``) replaces a handful of
+them with one call and one pass over memory. Each reproduces the rounding of the torch
+code it replaces (``services/worker/layers/norm.py``, ``rotary.py``, the MLP of
+``models/llama.py``): fp32 math, bf16 rounded to nearest even wherever torch stores an
+intermediate. The only differences are the order of the RMSNorm sum of squares and the
+exp inside SiLU (both ~1 fp32 ulp). fp32 or bf16 activations; the kernels check their
+inputs (ValueError). The build (``cpu_decode.build_library``: same flags, OpenMP
+handling and cache key) adds -ffp-contract=off so that a * b - c * d rounds as torch's
+separate ops do. ``available()`` reports whether it built; callers keep the torch path.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+
+from kernels import cpu_decode
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = cpu_decode._CSRC / "cpu_fused.cpp"
+OP_NAMESPACE = "pagoda_cpu_fused"  # the source's default PAGODA_OP_NS
+DTYPES = (torch.float32, torch.bfloat16)
+
+_lock = threading.Lock()
+_built: bool | None = None  # None until the first available() call
+
+
+def build_library(namespace: str = OP_NAMESPACE) -> None:
+    """Compile (or load from the cache) the source as ``torch.ops.<namespace>``."""
+    cpu_decode.build_library(
+        namespace, source_file=_SOURCE, header_files=(), extra_cflags=("-ffp-contract=off",)
+    )
+
+
+def available() -> bool:
+    """Build (once per process) and report whether the kernels can run; never raises."""
+    global _built
+    if _built is None:
+        with _lock:
+            if _built is None:
+                try:
+                    build_library()
+                    _built = True
+                except Exception as exc:  # a missing compiler, headers or source file
+                    logger.warning("cpu_fused kernels unavailable, build failed: %s", exc)
+                    _built = False
+    return _built
+
+
+def _ops():  # type: ignore[no-untyped-def]
+    if not available():
+        raise RuntimeError("the cpu_fused extension did not build; see the logged warning")
+    return torch.ops.pagoda_cpu_fused
+
+
+def rms_norm(
+    x: torch.Tensor,  # [T, H]
+    residual: torch.Tensor | None,  # [T, H] like x, or None
+    weight: torch.Tensor,  # [H], x's dtype
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # norm(x + residual) [T, H], x + residual [T, H]
+    """RMSNorm as ``layers/norm.py``: with residual None the new residual is x itself."""
+    if residual is None:
+        return _ops().rms_norm(x, weight, eps), x
+    out, new_residual = _ops().add_rms_norm(x, residual, weight, eps)
+    return out, new_residual
+
+
+def rotary(
+    query: torch.Tensor,  # [T, num_heads, D]: heads x D contiguous in a row, any row stride
+    key: torch.Tensor,  # [T, num_kv_heads, D]: likewise
+    positions: torch.Tensor,  # [T] int64 (or int32), each < P
+    cos_cache: torch.Tensor,  # [P, D / 2] float32
+    sin_cache: torch.Tensor,  # [P, D / 2] float32
+) -> tuple[torch.Tensor, torch.Tensor]:  # contiguous [T, num_heads, D], [T, num_kv_heads, D]
+    """Rotate-half rotary embedding as ``layers/rotary.py``; the q / k slices of the fused
+    qkv projection are read in place (a query or key in another layout is copied first)."""
+    q_out, k_out = _ops().rotary(query, key, positions, cos_cache, sin_cache)
+    return q_out, k_out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2 * I] -> [T, I]
+    """``F.silu(gate) * up`` with gate, up = the two halves of each row."""
+    return _ops().silu_mul(gate_up)  # type: ignore[no-any-return]

@@ -1,0 +1,320 @@
+// Fused elementwise CPU kernels of the decoder layer: RMSNorm (with the residual add),
+// rotary embedding (rotate-half) and SiLU-and-multiply, each one pass over its rows.
+//
+// Built at runtime by kernels/cpu_fused.py (load_inline, -O3 -march=native, no FMA
+// contraction, OpenMP flags as in cpu_decode.cpp) and registered as
+// torch.ops.<PAGODA_OP_NS>.*. Each kernel reproduces the rounding of the torch code it
+// replaces (services/worker/layers/): math in fp32, a bf16 value rounded (nearest even)
+// wherever torch stores an intermediate tensor in the activation dtype. Inputs are
+// checked here (ValueError), not in Python: the point of fusing is fewer Python-level
+// calls. Rows are split over torch's thread pool only when there is enough work.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <tuple>
+
+#ifndef PAGODA_OP_NS
+#define PAGODA_OP_NS pagoda_cpu_fused
+#endif
+
+namespace {
+
+// Elements per parallel chunk: below this the pool's wake-up costs more than the work
+// (a [1, 576] norm takes well under a microsecond).
+constexpr int64_t kGrainElems = 32768;
+
+inline int64_t grain_rows(int64_t row_elems) {
+  return std::max<int64_t>(1, kGrainElems / std::max<int64_t>(1, row_elems));
+}
+
+// bf16 travels as its uint16_t bits: the top half of an fp32.
+inline float to_f32(float x) { return x; }
+inline float to_f32(uint16_t b) {
+  return __builtin_bit_cast(float, static_cast<uint32_t>(b) << 16);
+}
+
+inline uint16_t bf16_bits(float x) {  // round to nearest even, as c10::BFloat16
+  const uint32_t u = __builtin_bit_cast(uint32_t, x);
+  const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return (u & 0x7FFFFFFFu) > 0x7F800000u ? uint16_t{0x7FC0} : static_cast<uint16_t>(r);
+}
+inline void store(float x, float* dst) { *dst = x; }
+inline void store(float x, uint16_t* dst) { *dst = bf16_bits(x); }
+
+// x as torch holds it in a tensor of element type T, read back as fp32.
+template <typename T>
+inline float rounded(float x) {
+  if constexpr (std::is_same_v<T, float>) return x;
+  else return to_f32(bf16_bits(x));
+}
+
+// exp(x), Cephes expf (~1 ulp; torch's Sleef expf_u10 is also ~1 ulp): vectorises
+// without -ffast-math, unlike std::exp. Overflow to inf and underflow to 0 as expf.
+inline float exp_f32(float x) {
+  const float xc = std::min(std::max(x, -87.0f), 88.0f);
+  const float round_magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const float n = (xc * 1.44269504088896341f + round_magic) - round_magic;
+  const float r = xc - n * 0.693359375f + n * 2.12194440e-4f;  // x - n ln2 in two parts
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const float two_n = __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
+  const float e = p * two_n;
+  return x > 88.72283f ? std::numeric_limits<float>::infinity() : x < -87.33655f ? 0.0f : e;
+}
+
+template <typename Fn>
+void dispatch_dtype(const at::Tensor& t, const char* what, Fn&& fn) {
+  if (t.scalar_type() == at::kFloat) fn(float{});
+  else if (t.scalar_type() == at::kBFloat16) fn(uint16_t{});
+  else TORCH_CHECK_VALUE(false, what, " must be float32 or bfloat16, got ", t.scalar_type());
+}
+
+template <typename T>
+const T* ptr(const at::Tensor& t) { return static_cast<const T*>(t.const_data_ptr()); }
+template <typename T>
+T* mut_ptr(const at::Tensor& t) { return static_cast<T*>(t.mutable_data_ptr()); }
+
+void check_cpu(const at::Tensor& t, const char* what) {
+  TORCH_CHECK_VALUE(t.device().is_cpu(), what, " must be a CPU tensor, got ", t.device());
+}
+
+// ---------------------------------------------------------------- RMSNorm
+
+// One row of norm.py: xf = float(h); y = xf * rsqrt(mean(xf^2) + eps); out = w * T(y),
+// with h = T(x + residual) already stored in `h`. The sum runs in fp32 in another order
+// than torch's reduction (a few fp32 ulps on the mean).
+template <typename T>
+inline void norm_row(T* out, const T* h, const T* w, int64_t n, float eps) {
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = to_f32(h[i]);
+    sum += v * v;
+  }
+  // torch: sum / n (CPU mean), + eps, then rsqrt as 1 / sqrt
+  const float inv = 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) store(to_f32(w[i]) * rounded<T>(to_f32(h[i]) * inv), out + i);
+}
+
+template <typename T>
+void rms_norm_typed(const at::Tensor& out, const at::Tensor& res_out, const at::Tensor& x,
+                    const at::Tensor* residual, const at::Tensor& weight, float eps) {
+  const int64_t n = x.size(-1), rows = n ? x.numel() / n : 0;
+  const T* xp = ptr<T>(x);
+  const T* rp = residual ? ptr<T>(*residual) : nullptr;
+  const T* wp = ptr<T>(weight);
+  T* op = mut_ptr<T>(out);
+  T* hp = residual ? mut_ptr<T>(res_out) : nullptr;
+  at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* h = xp + r * n;
+      if (rp) {  // the new residual, rounded to T as torch's x + residual
+        T* hr = hp + r * n;
+        const T* rr = rp + r * n;
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) store(to_f32(h[i]) + to_f32(rr[i]), hr + i);
+        h = hr;
+      }
+      norm_row(op + r * n, h, wp, n, eps);
+    }
+  });
+}
+
+at::Tensor check_norm(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight) {
+  check_cpu(x, "x");
+  check_cpu(weight, "weight");
+  TORCH_CHECK_VALUE(x.dim() >= 1, "x must have a hidden dimension");
+  TORCH_CHECK_VALUE(weight.dim() == 1 && weight.size(0) == x.size(-1), "weight must be [",
+                    x.size(-1), "], got ", weight.sizes());
+  TORCH_CHECK_VALUE(weight.scalar_type() == x.scalar_type(), "weight dtype ",
+                    weight.scalar_type(), " != x dtype ", x.scalar_type());
+  if (residual) {
+    check_cpu(*residual, "residual");
+    TORCH_CHECK_VALUE(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type(),
+                      "residual must be like x ", x.sizes(), " ", x.scalar_type(), ", got ",
+                      residual->sizes(), " ", residual->scalar_type());
+  }
+  return at::empty(x.sizes(), x.options());
+}
+
+// norm(x), with x its own residual (the caller keeps x).
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight_in, double eps) {
+  const at::Tensor out = check_norm(x_in, nullptr, weight_in);
+  const at::Tensor x = x_in.contiguous(), weight = weight_in.contiguous();
+  dispatch_dtype(x, "x", [&](auto t) {
+    rms_norm_typed<decltype(t)>(out, out, x, nullptr, weight, static_cast<float>(eps));
+  });
+  return out;
+}
+
+// (norm(x + residual), x + residual)
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x_in, const at::Tensor& res_in,
+                                                const at::Tensor& weight_in, double eps) {
+  const at::Tensor out = check_norm(x_in, &res_in, weight_in);
+  const at::Tensor res_out = at::empty(x_in.sizes(), x_in.options());
+  const at::Tensor x = x_in.contiguous(), res = res_in.contiguous(),
+                   weight = weight_in.contiguous();
+  dispatch_dtype(x, "x", [&](auto t) {
+    rms_norm_typed<decltype(t)>(out, res_out, x, &res, weight, static_cast<float>(eps));
+  });
+  return {out, res_out};
+}
+
+// ---------------------------------------------------------------- rotary
+
+// The heads of one token: in [heads, D] (row-contiguous), out [heads, D] contiguous.
+// rotary.py::_rotate: (x1 * cos - x2 * sin, x2 * cos + x1 * sin), each product rounded
+// to fp32 before the sum (no FMA: built with -ffp-contract=off), then cast to T.
+template <typename T>
+inline void rotate_token(T* out, const T* in, int64_t heads, int64_t dim, const float* cs,
+                         const float* sn) {
+  const int64_t half = dim / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    const T* x = in + h * dim;
+    T* y = out + h * dim;
+#pragma omp simd
+    for (int64_t i = 0; i < half; ++i) {
+      const float x1 = to_f32(x[i]), x2 = to_f32(x[i + half]);
+      store(x1 * cs[i] - x2 * sn[i], y + i);
+      store(x2 * cs[i] + x1 * sn[i], y + i + half);
+    }
+  }
+}
+
+// A [T, heads, D] view whose heads x D sit contiguously in each token row (any row
+// stride, as the q / k slices of the fused qkv projection); otherwise a copy.
+at::Tensor rows_of_heads(const at::Tensor& t) {
+  const bool ok = t.stride(2) == 1 && t.stride(1) == t.size(2);
+  return ok ? t : t.contiguous();
+}
+
+template <typename T, typename P>
+void rotary_typed(const at::Tensor& q_out, const at::Tensor& k_out, const at::Tensor& q,
+                  const at::Tensor& k, const P* pos, const float* cos, const float* sin) {
+  const int64_t tokens = q.size(0), hq = q.size(1), hk = k.size(1), dim = q.size(2);
+  const int64_t qs = q.stride(0), ks = k.stride(0), half = dim / 2;
+  const T* qp = ptr<T>(q);
+  const T* kp = ptr<T>(k);
+  T* qo = mut_ptr<T>(q_out);
+  T* ko = mut_ptr<T>(k_out);
+  at::parallel_for(0, tokens, grain_rows((hq + hk) * dim), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* cs = cos + static_cast<int64_t>(pos[t]) * half;
+      const float* sn = sin + static_cast<int64_t>(pos[t]) * half;
+      rotate_token(qo + t * hq * dim, qp + t * qs, hq, dim, cs, sn);
+      rotate_token(ko + t * hk * dim, kp + t * ks, hk, dim, cs, sn);
+    }
+  });
+}
+
+template <typename P>
+void check_positions(const P* pos, int64_t n, int64_t max_position) {
+  for (int64_t t = 0; t < n; ++t)
+    TORCH_CHECK_VALUE(pos[t] >= 0 && pos[t] < max_position, "positions[", t, "] = ", pos[t],
+                      " outside the rotary cache [0, ", max_position, ")");
+}
+
+void check_rotary(const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions,
+                  const at::Tensor& cos, const at::Tensor& sin) {
+  for (const auto* t : {&q, &k, &positions, &cos, &sin}) check_cpu(*t, "every tensor");
+  TORCH_CHECK_VALUE(q.dim() == 3 && k.dim() == 3, "query and key must be [T, heads, D], got ",
+                    q.sizes(), " and ", k.sizes());
+  const int64_t tokens = q.size(0), dim = q.size(2);
+  TORCH_CHECK_VALUE(k.size(0) == tokens && k.size(2) == dim && dim % 2 == 0,
+                    "query ", q.sizes(), " and key ", k.sizes(),
+                    " must share T and an even head_dim");
+  TORCH_CHECK_VALUE(k.scalar_type() == q.scalar_type(), "key dtype ", k.scalar_type(),
+                    " != query dtype ", q.scalar_type());
+  TORCH_CHECK_VALUE(positions.dim() == 1 && positions.size(0) == tokens, "positions must be [",
+                    tokens, "], got ", positions.sizes());
+  TORCH_CHECK_VALUE(
+      positions.scalar_type() == at::kLong || positions.scalar_type() == at::kInt,
+      "positions must be int64 or int32, got ", positions.scalar_type());
+  TORCH_CHECK_VALUE(cos.dim() == 2 && cos.size(1) == dim / 2 && sin.sizes() == cos.sizes(),
+                    "cos_cache and sin_cache must be [max_position, ", dim / 2, "], got ",
+                    cos.sizes(), " and ", sin.sizes());
+  TORCH_CHECK_VALUE(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
+                    "cos_cache and sin_cache must be float32");
+}
+
+std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& q_in, const at::Tensor& k_in,
+                                          const at::Tensor& pos_in, const at::Tensor& cos_in,
+                                          const at::Tensor& sin_in) {
+  check_rotary(q_in, k_in, pos_in, cos_in, sin_in);
+  const at::Tensor q = rows_of_heads(q_in), k = rows_of_heads(k_in);
+  const at::Tensor pos = pos_in.contiguous(), cos = cos_in.contiguous(), sin = sin_in.contiguous();
+  const at::Tensor q_out = at::empty(q.sizes(), q.options());
+  const at::Tensor k_out = at::empty(k.sizes(), k.options());
+  const float* cp = ptr<float>(cos);
+  const float* sp = ptr<float>(sin);
+  dispatch_dtype(q, "query", [&](auto t) {
+    using T = decltype(t);
+    if (pos.scalar_type() == at::kLong) {
+      check_positions(ptr<int64_t>(pos), pos.size(0), cos.size(0));
+      rotary_typed<T>(q_out, k_out, q, k, ptr<int64_t>(pos), cp, sp);
+    } else {
+      check_positions(ptr<int32_t>(pos), pos.size(0), cos.size(0));
+      rotary_typed<T>(q_out, k_out, q, k, ptr<int32_t>(pos), cp, sp);
+    }
+  });
+  return {q_out, k_out};
+}
+
+// ---------------------------------------------------------------- SiLU and multiply
+
+// silu(gate) * up as torch computes F.silu(gate) * up: silu = g / (1 + exp(-g)) in fp32,
+// stored as T, then the product in fp32, stored as T.
+template <typename T>
+void silu_mul_typed(const at::Tensor& out, const at::Tensor& x) {
+  const int64_t rows = x.size(0), n = x.size(1) / 2, stride = x.stride(0);
+  const T* xp = ptr<T>(x);
+  T* op = mut_ptr<T>(out);
+  at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate = xp + r * stride;
+      const T* up = gate + n;
+      T* o = op + r * n;
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) {
+        const float g = to_f32(gate[i]);
+        store(rounded<T>(g / (1.0f + exp_f32(-g))) * to_f32(up[i]), o + i);
+      }
+    }
+  });
+}
+
+at::Tensor silu_mul(const at::Tensor& x_in) {
+  check_cpu(x_in, "gate_up");
+  TORCH_CHECK_VALUE(x_in.dim() == 2 && x_in.size(1) % 2 == 0,
+                    "gate_up must be [T, 2 * intermediate], got ", x_in.sizes());
+  const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
+  const at::Tensor out = at::empty({x.size(0), x.size(1) / 2}, x.options());
+  dispatch_dtype(x, "gate_up", [&](auto t) { silu_mul_typed<decltype(t)>(out, x); });
+  return out;
+}
+
+}  // namespace
+
+// The namespace is a macro so a variant build could register apart (as cpu_decode).
+#define PAGODA_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+PAGODA_LIBRARY(PAGODA_OP_NS, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)",
+        &add_rms_norm);
+  m.def("rotary(Tensor query, Tensor key, Tensor positions, Tensor cos_cache, "
+        "Tensor sin_cache) -> (Tensor, Tensor)",
+        &rotary);
+  m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
+}
