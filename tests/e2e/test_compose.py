@@ -112,7 +112,9 @@ def test_compose_services_serve_requests(smollm2_dir: Path, tmp_path: Path) -> N
         for name in ("scheduler", "worker", "tokenizer"):
             svc = services[name]
             for replica in range(svc.get("deploy", {}).get("replicas", 1)):
-                env = {**os.environ, **_local_env(svc["environment"], names, replica)}
+                # fp32: the tokens are compared with the offline engine's exactly
+                env = {**os.environ, **_local_env(svc["environment"], names, replica),
+                       "PAGODA_DTYPE": "float32"}
                 log = open(tmp_path / f"{name}-{replica}.log", "wb")
                 logs.append(log)
                 procs.append(subprocess.Popen(_command(svc["command"]), env=env, cwd=REPO,
