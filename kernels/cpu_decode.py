@@ -4,120 +4,36 @@ Same contract as ``reference.paged_decode_attention`` (cache layout in ``referen
 without its gather: the kernel (``csrc/cpu_decode.cpp``, block kernels in
 ``csrc/cpu_decode_blocks.h``) walks each sequence's block table and reads every K/V row
 once for all query heads of its KV head, on torch's own intra-op thread pool. It is
-compiled on first use with ``-march=native`` (the machine that builds it runs it) into
-the torch extensions cache (``TORCH_EXTENSIONS_DIR``); the extension name carries a hash
-of the sources, flags, torch version and CPU flags, so any change rebuilds.
-``available()`` reports whether the build worked; callers fall back to the reference.
+compiled on first use (``cpu_extension``); ``available()`` reports whether the build
+worked; callers fall back to the reference.
 """
 
 from __future__ import annotations
 
-import hashlib
-import logging
-import platform
-import re
-import threading
-import time
-from collections.abc import Sequence
-from pathlib import Path
-
 import torch
 
-logger = logging.getLogger(__name__)
+from kernels.cpu_extension import CSRC, SCALAR_HEADER, LazyExtension, build_extension
 
-_CSRC = Path(__file__).parent / "csrc"
-_SOURCE, _HEADERS = _CSRC / "cpu_decode.cpp", [_CSRC / "cpu_decode_blocks.h"]
+_SOURCE, _HEADERS = CSRC / "cpu_decode.cpp", [CSRC / "cpu_decode_blocks.h", SCALAR_HEADER]
 OP_NAMESPACE = "pagoda_cpu_decode"  # the source's default PAGODA_OP_NS
-# no -ffast-math: IEEE semantics (NaN, summation order as written) in every loop
-_CFLAGS = ["-O3", "-march=native", "-std=c++17"]
 DTYPES = (torch.float32, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
 MAX_HEAD_DIM = 256
 
-_lock = threading.Lock()
-_built: bool | None = None  # None until the first available() call
+
+def build_library(namespace: str = OP_NAMESPACE, defines: tuple[str, ...] = ()) -> None:
+    """Compile (or load from the cache) the kernel as ``torch.ops.<namespace>``; tests
+    build the portable path as a variant (``defines=("PAGODA_PORTABLE",)``)."""
+    build_extension(namespace, _SOURCE, _HEADERS, defines=defines)
 
 
-def _openmp_flags() -> tuple[list[str], list[str]]:  # compile flags, link flags
-    """Flags that put at::parallel_for on torch's own thread pool.
-
-    Under torch's OpenMP backend, ATen inlines parallel_for from its headers as an
-    ``omp parallel`` region: without -fopenmp it would run on one thread, and linked
-    against another OpenMP runtime than the one torch loaded it would start a second
-    pool. So link the runtime file this process has mapped. Other backends need only
-    ``omp simd``.
-    """
-    if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
-        return ["-fopenmp-simd"], []
-    try:
-        maps = Path("/proc/self/maps").read_text().splitlines()
-    except OSError:
-        maps = []
-    for line in maps:
-        path = line.split()[-1]
-        if re.search(r"/lib[gi]omp[^/]*\.so", path):
-            return ["-fopenmp"], [path]
-    return ["-fopenmp"], ["-fopenmp"]  # not found: the compiler's runtime, same soname hoped
-
-
-def _host_tag() -> str:
-    """What the binary depends on besides its source: torch's ABI and the CPU (-march=native)."""
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text()
-        flags = next((ln for ln in cpuinfo.splitlines() if ln.startswith("flags")), "")
-    except OSError:
-        flags = platform.processor()
-    return f"{torch.__version__} {platform.machine()} {flags}"
-
-
-def build_library(
-    namespace: str = OP_NAMESPACE, defines: tuple[str, ...] = (), *,
-    source_file: Path | None = None, header_files: Sequence[Path] | None = None,
-    extra_cflags: tuple[str, ...] = (),
-) -> None:
-    """Compile (or load from the cache) the source as ``torch.ops.<namespace>``.
-
-    ``defines`` are extra ``-D`` flags; a variant (tests build the portable path with
-    PAGODA_PORTABLE) needs its own namespace, as a namespace registers once per process.
-    Another extension (``cpu_fused``) passes its own source, headers and extra flags;
-    None means this module's (looked up at call time).
-    """
-    from torch.utils.cpp_extension import load_inline
-
-    source = (source_file or _SOURCE).read_text()
-    # part of the key: an edit must rebuild
-    headers = [h.read_text() for h in (_HEADERS if header_files is None else header_files)]
-    omp_cflags, ldflags = _openmp_flags()
-    cflags = [*_CFLAGS, *extra_cflags, *omp_cflags, f"-DPAGODA_OP_NS={namespace}",
-              *(f"-D{d}" for d in defines)]
-    key = "\n".join([source, *headers, *cflags, *ldflags, _host_tag()])
-    start = time.perf_counter()
-    load_inline(
-        name=f"{namespace}_{hashlib.sha256(key.encode()).hexdigest()[:10]}",
-        cpp_sources=[source],
-        extra_cflags=cflags,
-        extra_ldflags=ldflags,
-        extra_include_paths=[str(_CSRC)],
-        is_python_module=False,  # the library registers its ops with torch on load
-        no_implicit_headers=True,  # skip torch/extension.h (pybind): a faster build
-        verbose=False,
-    )
-    logger.info("%s extension ready in %.1f s", namespace, time.perf_counter() - start)
+# a lambda: the source paths are read at build time
+_extension = LazyExtension("cpu_decode kernel", lambda: build_library())
 
 
 def available() -> bool:
     """Build (once per process) and report whether the kernel can run; never raises."""
-    global _built
-    if _built is None:
-        with _lock:
-            if _built is None:
-                try:
-                    build_library()
-                    _built = True
-                except Exception as exc:  # a missing compiler, headers or source file
-                    logger.warning("cpu_decode kernel unavailable, build failed: %s", exc)
-                    _built = False
-    return _built
+    return _extension.available()
 
 
 def _check_shapes(

@@ -8,50 +8,33 @@ code it replaces (``services/worker/layers/norm.py``, ``rotary.py``, the MLP of
 ``models/llama.py``): fp32 math, bf16 rounded to nearest even wherever torch stores an
 intermediate. The only differences are the order of the RMSNorm sum of squares and the
 exp inside SiLU (both ~1 fp32 ulp). fp32 or bf16 activations; the kernels check their
-inputs (ValueError). The build (``cpu_decode.build_library``: same flags, OpenMP
-handling and cache key) adds -ffp-contract=off so that a * b - c * d rounds as torch's
-separate ops do. ``available()`` reports whether it built; callers keep the torch path.
+inputs (ValueError). The build (``cpu_extension``, as ``cpu_decode``'s) adds
+-ffp-contract=off so that a * b - c * d rounds as torch's separate ops do. ``available()`` reports whether it built; callers keep the torch path.
 """
 
 from __future__ import annotations
 
-import logging
-import threading
-
 import torch
 
-from kernels import cpu_decode
+from kernels.cpu_extension import CSRC, SCALAR_HEADER, LazyExtension, build_extension
 
-logger = logging.getLogger(__name__)
-
-_SOURCE = cpu_decode._CSRC / "cpu_fused.cpp"
+_SOURCE = CSRC / "cpu_fused.cpp"
 OP_NAMESPACE = "pagoda_cpu_fused"  # the source's default PAGODA_OP_NS
 DTYPES = (torch.float32, torch.bfloat16)
 
-_lock = threading.Lock()
-_built: bool | None = None  # None until the first available() call
-
 
 def build_library(namespace: str = OP_NAMESPACE) -> None:
-    """Compile (or load from the cache) the source as ``torch.ops.<namespace>``."""
-    cpu_decode.build_library(
-        namespace, source_file=_SOURCE, header_files=(), extra_cflags=("-ffp-contract=off",)
-    )
+    """Compile (or load from the cache) the kernels as ``torch.ops.<namespace>``."""
+    build_extension(namespace, _SOURCE, [SCALAR_HEADER], extra_cflags=("-ffp-contract=off",))
+
+
+# a lambda: the source path is read at build time
+_extension = LazyExtension("cpu_fused kernels", lambda: build_library())
 
 
 def available() -> bool:
     """Build (once per process) and report whether the kernels can run; never raises."""
-    global _built
-    if _built is None:
-        with _lock:
-            if _built is None:
-                try:
-                    build_library()
-                    _built = True
-                except Exception as exc:  # a missing compiler, headers or source file
-                    logger.warning("cpu_fused kernels unavailable, build failed: %s", exc)
-                    _built = False
-    return _built
+    return _extension.available()
 
 
 def _ops():  # type: ignore[no-untyped-def]

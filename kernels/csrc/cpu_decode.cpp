@@ -42,30 +42,6 @@ constexpr int64_t kMaxPartitionTokens = 2048;
 constexpr int64_t kItemsPerThread = 4;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-inline void from_f32(float x, float* dst) { *dst = x; }
-inline void from_f32(float x, uint16_t* dst) { *dst = c10::BFloat16(x).x; }  // nearest even
-
-// exp(x) for x <= 0 (scores minus their max), Cephes expf: ~1 ulp, and unlike std::exp it
-// vectorises without -ffast-math. Clamped at -87 so 2^n stays a normal float; the
-// weights it lifts from 0 (< 2e-38) are negligible.
-inline float exp_nonpos(float x) {
-  x = std::max(x, -87.0f);
-  const float round_magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  const float n = (x * 1.44269504088896341f + round_magic) - round_magic;
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;  // x - n ln2 in two parts
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float two_n;
-  std::memcpy(&two_n, &bits, sizeof two_n);
-  return p * two_n;
-}
-
 // Per-thread buffers, sized once per parallel region.
 struct Scratch {
   std::vector<float> q;       // [H, D] query rows, pre-scaled
@@ -140,7 +116,7 @@ struct Decode {
       for (int64_t i = 0; i < n; ++i) m = sh[i] > m ? sh[i] : m;
 #pragma omp simd reduction(+ : sum)
       for (int64_t i = 0; i < n; ++i) {
-        sh[i] = exp_nonpos(sh[i] - m);
+        sh[i] = exp_f32(sh[i] - m);
         sum += sh[i];
       }
       row_max[h] = m;
@@ -154,7 +130,7 @@ struct Decode {
       const float* ah = acc + h * D;
       const int64_t row = b * H + h;
       if (s.num_parts == 1) {
-        for (int64_t d = 0; d < D; ++d) from_f32(ah[d] * inv, out + row * D + d);
+        for (int64_t d = 0; d < D; ++d) store(ah[d] * inv, out + row * D + d);
       } else {
         float* o = part_out + (row * s.num_parts + part) * D;
         for (int64_t d = 0; d < D; ++d) o[d] = ah[d] * inv;
@@ -178,7 +154,7 @@ struct Decode {
 #pragma omp simd
       for (int64_t d = 0; d < D; ++d) acc[d] += wgt * o[d];
     }
-    for (int64_t d = 0; d < D; ++d) from_f32(acc[d] / total, out + row * D + d);
+    for (int64_t d = 0; d < D; ++d) store(acc[d] / total, out + row * D + d);
   }
 };
 

@@ -7,8 +7,9 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
+
+#include "cpu_scalar.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
     !defined(PAGODA_PORTABLE)
@@ -18,13 +19,7 @@
 
 namespace pagoda_cpu_decode {
 
-inline float to_f32(float x) { return x; }
-inline float to_f32(uint16_t bf16_bits) {  // bf16 is the top half of an fp32
-  const uint32_t u = static_cast<uint32_t>(bf16_bits) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
+using namespace pagoda_cpu_scalar;  // to_f32
 
 struct Shape {
   int64_t batch, num_heads, num_kv_heads, group, head_dim, block_size, max_blocks;

@@ -19,11 +19,15 @@
 #include <limits>
 #include <tuple>
 
+#include "cpu_scalar.h"
+
 #ifndef PAGODA_OP_NS
 #define PAGODA_OP_NS pagoda_cpu_fused
 #endif
 
 namespace {
+
+using namespace pagoda_cpu_scalar;
 
 // Elements per parallel chunk: below this the pool's wake-up costs more than the work
 // (a [1, 576] norm takes well under a microsecond).
@@ -33,19 +37,6 @@ inline int64_t grain_rows(int64_t row_elems) {
   return std::max<int64_t>(1, kGrainElems / std::max<int64_t>(1, row_elems));
 }
 
-// bf16 travels as its uint16_t bits: the top half of an fp32.
-inline float to_f32(float x) { return x; }
-inline float to_f32(uint16_t b) {
-  return __builtin_bit_cast(float, static_cast<uint32_t>(b) << 16);
-}
-
-inline uint16_t bf16_bits(float x) {  // round to nearest even, as c10::BFloat16
-  const uint32_t u = __builtin_bit_cast(uint32_t, x);
-  const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  return (u & 0x7FFFFFFFu) > 0x7F800000u ? uint16_t{0x7FC0} : static_cast<uint16_t>(r);
-}
-inline void store(float x, float* dst) { *dst = x; }
-inline void store(float x, uint16_t* dst) { *dst = bf16_bits(x); }
 
 // x as torch holds it in a tensor of element type T, read back as fp32.
 template <typename T>
@@ -54,24 +45,6 @@ inline float rounded(float x) {
   else return to_f32(bf16_bits(x));
 }
 
-// exp(x), Cephes expf (~1 ulp; torch's Sleef expf_u10 is also ~1 ulp): vectorises
-// without -ffast-math, unlike std::exp. Overflow to inf and underflow to 0 as expf.
-inline float exp_f32(float x) {
-  const float xc = std::min(std::max(x, -87.0f), 88.0f);
-  const float round_magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  const float n = (xc * 1.44269504088896341f + round_magic) - round_magic;
-  const float r = xc - n * 0.693359375f + n * 2.12194440e-4f;  // x - n ln2 in two parts
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const float two_n = __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
-  const float e = p * two_n;
-  return x > 88.72283f ? std::numeric_limits<float>::infinity() : x < -87.33655f ? 0.0f : e;
-}
 
 template <typename Fn>
 void dispatch_dtype(const at::Tensor& t, const char* what, Fn&& fn) {

@@ -88,9 +88,9 @@ def engine_dtype(args: argparse.Namespace) -> str:
     """The dtype the engine computes in (``auto`` resolved as the worker resolves it)."""
     import torch
 
-    from services.worker.runner_builder import resolve_dtype
+    from services.worker.runner_builder import resolve_dtype_name
 
-    return str(resolve_dtype(args.dtype, torch.device(args.device))).removeprefix("torch.")
+    return resolve_dtype_name(args.dtype, torch.device(args.device))
 
 
 def _hf_dtypes(args: argparse.Namespace, engine: str) -> tuple[str, ...]:

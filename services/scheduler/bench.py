@@ -140,9 +140,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"pagoda LLM (dtype auto): {ours:.1f} output tok/s", flush=True)
     import torch
 
-    from services.worker.runner_builder import resolve_dtype
+    from services.worker.runner_builder import resolve_dtype_name
 
-    engine_dtype = str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
+    engine_dtype = resolve_dtype_name("auto", torch.device("cpu"))
     best = 0.0
     for dtype in dict.fromkeys(("float32", engine_dtype)):
         for bs in (int(x) for x in args.hf_batch_sizes.split(",")):

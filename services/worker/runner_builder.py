@@ -75,6 +75,12 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+def resolve_dtype_name(dtype: str, device: torch.device) -> str:
+    """``resolve_dtype`` as its setting name (``float32``, ``bfloat16``, ...)."""
+    resolved = resolve_dtype(dtype, device)
+    return next(name for name, d in _DTYPES.items() if d == resolved)
+
+
 def build_runner(model_dir: Path, spec: RunnerSpec) -> BuiltRunner:
     device = resolve_device(spec.device)
     if device.type == "cpu":

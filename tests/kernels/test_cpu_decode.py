@@ -18,6 +18,7 @@ import torch
 
 from kernel_cases import assert_close, block_tables_for, paged_cache
 from kernels import cpu_decode, reference
+from kernels.cpu_extension import LazyExtension
 
 if not cpu_decode.available():
     pytest.skip("the cpu_decode extension did not build", allow_module_level=True)
@@ -144,7 +145,7 @@ def test_bad_inputs_raise_value_error(case: tuple[str, tuple]) -> None:
 def test_failed_build_is_reported_once(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(cpu_decode, "_built", None)
+    monkeypatch.setattr(cpu_decode, "_extension", LazyExtension("cpu_decode kernel", cpu_decode.build_library))
     monkeypatch.setattr(cpu_decode, "_SOURCE", tmp_path / "missing.cpp")
     assert not cpu_decode.available() and not cpu_decode.available()
     assert len([r for r in caplog.records if r.levelname == "WARNING"]) == 1

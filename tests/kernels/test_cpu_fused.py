@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_fused
+from kernels.cpu_extension import LazyExtension
 from services.worker.layers.norm import RMSNorm
 from services.worker.layers.rotary import RotaryEmbedding
 
@@ -187,7 +188,7 @@ def test_bad_inputs_raise_value_error(case: tuple[str, object, tuple]) -> None:
 def test_failed_build_is_reported_once_and_modules_fall_back(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(cpu_fused, "_built", None)
+    monkeypatch.setattr(cpu_fused, "_extension", LazyExtension("cpu_fused kernels", cpu_fused.build_library))
     monkeypatch.setattr(cpu_fused, "_SOURCE", tmp_path / "missing.cpp")
     assert not cpu_fused.available() and not cpu_fused.available()
     assert len([r for r in caplog.records if r.levelname == "WARNING"]) == 1

@@ -1,0 +1,44 @@
+// Scalar helpers the CPU kernels share (cpu_decode.cpp, cpu_decode_blocks.h,
+// cpu_fused.cpp): bf16 <-> fp32 conversion and a vectorisable exp. bf16 travels as its
+// uint16_t bits, the top half of an fp32.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+
+namespace pagoda_cpu_scalar {
+
+inline float to_f32(float x) { return x; }
+inline float to_f32(uint16_t b) {
+  return __builtin_bit_cast(float, static_cast<uint32_t>(b) << 16);
+}
+
+inline uint16_t bf16_bits(float x) {  // round to nearest even, NaN -> 0x7FC0, as c10::BFloat16
+  const uint32_t u = __builtin_bit_cast(uint32_t, x);
+  const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return (u & 0x7FFFFFFFu) > 0x7F800000u ? uint16_t{0x7FC0} : static_cast<uint16_t>(r);
+}
+inline void store(float x, float* dst) { *dst = x; }
+inline void store(float x, uint16_t* dst) { *dst = bf16_bits(x); }
+
+// exp(x), Cephes expf (~1 ulp; torch's Sleef expf_u10 is also ~1 ulp): vectorises
+// without -ffast-math, unlike std::exp. Overflow to inf and underflow to 0 as expf.
+inline float exp_f32(float x) {
+  const float xc = std::min(std::max(x, -87.0f), 88.0f);
+  const float round_magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const float n = (xc * 1.44269504088896341f + round_magic) - round_magic;
+  const float r = xc - n * 0.693359375f + n * 2.12194440e-4f;  // x - n ln2 in two parts
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const float two_n = __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
+  const float e = p * two_n;
+  return x > 88.72283f ? std::numeric_limits<float>::infinity() : x < -87.33655f ? 0.0f : e;
+}
+
+}  // namespace pagoda_cpu_scalar
