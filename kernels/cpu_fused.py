@@ -1,5 +1,6 @@
 """Fused CPU kernels for the decoder layer's small ops: RMSNorm (+ residual add), rotary
-embedding, SiLU-and-multiply. A C++ extension built at first use, like ``cpu_decode``.
+embedding, SiLU-and-multiply, and the KV-cache write. A C++ extension built at first
+use, like ``cpu_decode``.
 
 At batch 1 a CPU decode step spends much of its time dispatching a few hundred small
 torch ops per layer; each kernel here (``csrc/cpu_fused.cpp``) replaces a handful of
@@ -7,8 +8,10 @@ them with one call and one pass over memory. Each reproduces the rounding of the
 code it replaces (``services/worker/layers/norm.py``, ``rotary.py``, the MLP of
 ``models/llama.py``): fp32 math, bf16 rounded to nearest even wherever torch stores an
 intermediate. The only differences are the order of the RMSNorm sum of squares and the
-exp inside SiLU (both ~1 fp32 ulp). fp32 or bf16 activations; the kernels check their
-inputs (ValueError). The build (``cpu_extension``, as ``cpu_decode``'s) adds
+exp inside SiLU (both ~1 fp32 ulp); in bf16, SiLU reads silu(gate) from a table of all
+2^16 gate values that the kernel builds with the same code. ``write_kv_cache`` is an
+exact copy, as ``reference.write_kv_cache``. fp32 or bf16 activations; the kernels
+check their inputs (ValueError). The build (``cpu_extension``, as ``cpu_decode``'s) adds
 -ffp-contract=off so that a * b - c * d rounds as torch's separate ops do. ``available()`` reports whether it built; callers keep the torch path.
 """
 
@@ -72,3 +75,17 @@ def rotary(
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2 * I] -> [T, I]
     """``F.silu(gate) * up`` with gate, up = the two halves of each row."""
     return _ops().silu_mul(gate_up)  # type: ignore[no-any-return]
+
+
+def write_kv_cache(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]: heads x D contiguous in a row
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]: likewise
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], contiguous
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], contiguous
+    slot_mapping: torch.Tensor,  # [num_tokens] int64: block * block_size + offset, -1 = skip
+) -> None:
+    """``reference.write_kv_cache`` in one pass, key / value in the caches' dtype; the k / v
+    slices of the fused qkv projection are read in place. A slot outside [-1, num_blocks *
+    block_size) raises ValueError before anything is written. Two tokens with the same
+    slot: one of them is stored (which one, unspecified, as with index_copy_)."""
+    _ops().write_kv_cache(key, value, k_cache, v_cache, slot_mapping)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from kernels import cpu_fused
+from kernels import cpu_fused, cpu_prefill
 from services.worker.attention import get_attention_backend
 from services.worker.cpu_memory import keep_large_allocations_in_heap
 from services.worker.layers.linear import pack_cpu_linears
@@ -89,7 +89,9 @@ def build_runner(model_dir: Path, spec: RunnerSpec) -> BuiltRunner:
     model = load_model(model_dir, dtype, device, max_position=None)
     if device.type == "cpu":
         pack_cpu_linears(model)
-        cpu_fused.available()  # compiled (first run on a machine) or loaded now, not in step 1
+        # compiled (first run on a machine) or loaded now, not in step 1
+        cpu_fused.available()
+        cpu_prefill.available()
     max_pos = model.config.max_position_embeddings
     max_model_len = spec.max_model_len or max_pos
     if max_model_len > max_pos:

@@ -12,6 +12,12 @@ within 2e-6 relative. In bf16 it flips the rounding of the intermediate (normali
 silu(gate)) only when that value sits within a few fp32 ulps of a bf16 tie; one ulp
 there (up to 2^-7 relative), times the weight / up and rounded again, moves the output
 by at most about 2 ulps: 2^-6 relative, allowed on at most 1 % of the elements.
+
+SiLU is also compared bit for bit with its own arithmetic spelled out in torch ops
+(``_silu_mul_exact``: the Cephes exp of cpu_scalar.h, each op rounded to fp32), over
+every bf16 gate value (the bf16 kernel reads a table of them), odd widths (vector
+tails) and the special values. ``write_kv_cache`` is an exact copy: equal to
+``reference.write_kv_cache``.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_fused
+from kernels import cpu_fused, reference
 from kernels.cpu_extension import LazyExtension
 from services.worker.layers.norm import RMSNorm
 from services.worker.layers.rotary import RotaryEmbedding
@@ -137,6 +143,134 @@ def test_silu_mul_extremes() -> None:
     assert nan.isnan().all()
 
 
+def _silu_mul_exact(gate_up: torch.Tensor) -> torch.Tensor:
+    """The kernel's arithmetic, op for op in fp32 (torch rounds each op; no FMA)."""
+    gate, up = (h.float() for h in gate_up.chunk(2, dim=-1))
+
+    def c(v: float) -> torch.Tensor:
+        return torch.tensor(v, dtype=torch.float32)
+
+    x = -gate
+    # std::min(std::max(x, -87), 88), which keeps a NaN
+    xc = torch.where(x < -87.0, c(-87.0), x)
+    xc = torch.where(xc > 88.0, c(88.0), xc)
+    magic = c(12582912.0)
+    n = (xc * c(1.44269504088896341) + magic) - magic
+    r = (xc - n * c(0.693359375)) + n * c(2.12194440e-4)
+    p = c(1.9875691500e-4)
+    for k in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1,
+              5.0000001201e-1):
+        p = p * r + c(k)
+    p = ((p * r) * r + r) + c(1.0)
+    two_n = ((torch.nan_to_num(n).int() + 127) << 23).view(torch.float32)
+    e = torch.where(x > 88.72283, c(float("inf")), torch.where(x < -87.33655, c(0.0), p * two_n))
+    silu = (gate / (c(1.0) + e)).to(gate_up.dtype).float()
+    return (silu * up).to(gate_up.dtype)
+
+
+def assert_bits_equal(got: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    """Equal bits, except that any NaN matches any NaN (NaN payloads are not specified)."""
+    assert got.dtype == ref.dtype and got.shape == ref.shape, f"{what}: {got.dtype} {got.shape}"
+    int_type = torch.int32 if got.dtype == torch.float32 else torch.int16
+    nan = got.isnan()
+    assert torch.equal(nan, ref.isnan()), f"{what}: NaN in other places"
+    same = got.view(int_type) == ref.view(int_type)
+    bad = ~(same | nan)
+    assert not bad.any(), f"{what}: {int(bad.sum())} elements differ, first at {bad.nonzero()[0].tolist()}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", [1, 35, 2048])
+@pytest.mark.parametrize("intermediate", [37, 1536])
+def test_silu_mul_bits(dtype: torch.dtype, num_tokens: int, intermediate: int) -> None:
+    gen = torch.Generator().manual_seed(num_tokens * intermediate)
+    gate_up = (4 * torch.randn(num_tokens, 2 * intermediate, generator=gen)).to(dtype)
+    got = cpu_fused.silu_mul(gate_up)
+    assert_bits_equal(got, _silu_mul_exact(gate_up), f"silu_mul T={num_tokens} I={intermediate}")
+    if num_tokens > 1:  # a row stride other than 2 * I: a slice of a wider tensor
+        assert_bits_equal(cpu_fused.silu_mul(gate_up[::2]), got[::2], "strided rows")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_every_bf16_gate(dtype: torch.dtype) -> None:
+    """Every bf16 value (so every entry of the bf16 kernel's table), times three ups."""
+    gates = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    for up in (1.0, -0.3, 3.0e38):
+        gate_up = torch.cat([gates, torch.full_like(gates, up)]).view(1, -1).to(dtype)
+        assert_bits_equal(cpu_fused.silu_mul(gate_up), _silu_mul_exact(gate_up), f"up={up}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_special_values_bits(dtype: torch.dtype) -> None:
+    tiny = torch.finfo(torch.float32).tiny
+    gate = torch.tensor([-200.0, -89.0, -88.72, -87.5, -87.33, -20.0, -0.0, 0.0, 1e-30, tiny / 3,
+                         -tiny / 3, 20.0, 87.33, 88.0, 88.73, 89.0, 1e30, -1e30, 3.0e38, -3.0e38,
+                         float("inf"), float("-inf"), float("nan"), -float("nan")])
+    ups = torch.tensor([1.5, -2.0, 0.0, float("inf"), float("nan"), 1e-30, 1e38])
+    gate_up = torch.cat([gate.repeat(len(ups)), ups.repeat_interleave(len(gate))])
+    gate_up = gate_up.view(1, -1).to(dtype)  # 168 lanes: ten full vectors and a tail
+    assert_bits_equal(cpu_fused.silu_mul(gate_up), _silu_mul_exact(gate_up), "special values")
+
+
+def _kv_inputs(
+    num_tokens: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, num_blocks: int,
+    block_size: int, gen: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """k, v as llama.py slices them out of qkv; random caches; distinct slots, some -1."""
+    q_size, kv_size = 2 * num_kv_heads * head_dim, num_kv_heads * head_dim
+    qkv = torch.randn(num_tokens, q_size + 2 * kv_size, generator=gen).to(dtype)
+    _, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    k = k.reshape(num_tokens, num_kv_heads, head_dim)
+    v = v.reshape(num_tokens, num_kv_heads, head_dim)
+    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(cache_shape, generator=gen).to(dtype)
+    v_cache = torch.randn(cache_shape, generator=gen).to(dtype)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[torch.rand(num_tokens, generator=gen) < 0.2] = -1
+    return k, v, k_cache, v_cache, slots
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", [1, 35, 1500])  # 1500: several threads
+@pytest.mark.parametrize("num_kv_heads,head_dim", [(3, 64), (1, 128), (2, 40)])
+def test_write_kv_cache(dtype: torch.dtype, num_tokens: int, num_kv_heads: int, head_dim: int) -> None:
+    gen = torch.Generator().manual_seed(num_tokens + head_dim)
+    k, v, k_cache, v_cache, slots = _kv_inputs(num_tokens, num_kv_heads, head_dim, dtype, 200, 16, gen)
+    assert num_tokens == 1 or not k.is_contiguous()
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    reference.write_kv_cache(k, v, k_ref, v_ref, slots)
+    k_ptr = k_cache.data_ptr()
+    cpu_fused.write_kv_cache(k, v, k_cache, v_cache, slots)
+    assert k_cache.data_ptr() == k_ptr
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+def test_write_kv_cache_other_layouts() -> None:
+    """Contiguous key / value, a value with heads transposed (copied first), all slots -1,
+    no tokens."""
+    gen = torch.Generator().manual_seed(3)
+    k_cache, v_cache = torch.zeros(4, 8, 2, 16), torch.zeros(4, 8, 2, 16)
+    k = torch.randn(5, 2, 16, generator=gen)
+    v = torch.randn(2, 5, 16, generator=gen).transpose(0, 1)
+    slots = torch.tensor([31, 0, -1, 9, 8])
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    reference.write_kv_cache(k, v, k_ref, v_ref, slots)
+    cpu_fused.write_kv_cache(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    cpu_fused.write_kv_cache(k, v, k_cache, v_cache, torch.full((5,), -1))
+    cpu_fused.write_kv_cache(k[:0], v[:0], k_cache, v_cache, slots[:0])
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+@pytest.mark.parametrize("bad_slot", [-2, 64, 2**40])
+def test_write_kv_cache_bad_slot_writes_nothing(bad_slot: int) -> None:
+    k_cache, v_cache = torch.zeros(4, 16, 2, 8), torch.zeros(4, 16, 2, 8)
+    k = v = torch.ones(3, 2, 8)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        cpu_fused.write_kv_cache(k, v, k_cache, v_cache, torch.tensor([0, bad_slot, 5]))
+    assert not k_cache.any() and not v_cache.any()
+
+
 def test_thread_count_does_not_change_results() -> None:
     x = torch.randn(300, 576).bfloat16()
     gate_up = torch.randn(300, 3072).bfloat16()
@@ -175,6 +309,28 @@ def _bad_inputs() -> list[tuple[str, object, tuple]]:
         ("silu odd width", cpu_fused.silu_mul, (torch.randn(3, 7),)),
         ("silu ndim", cpu_fused.silu_mul, (torch.randn(6),)),
         ("silu fp64", cpu_fused.silu_mul, (torch.randn(3, 8, dtype=torch.float64),)),
+        *_bad_kv_inputs(),
+    ]
+
+
+def _bad_kv_inputs() -> list[tuple[str, object, tuple]]:
+    k, cache, slots = torch.randn(3, 2, 8), torch.zeros(4, 16, 2, 8), torch.tensor([0, 1, 2])
+    fn = cpu_fused.write_kv_cache
+    return [
+        ("kv key dtype", fn, (k.bfloat16(), k.bfloat16(), cache, cache, slots)),
+        ("kv value dtype", fn, (k, k.bfloat16(), cache, cache, slots)),
+        ("kv v_cache dtype", fn, (k, k, cache, cache.bfloat16(), slots)),
+        ("kv fp16", fn, (k.half(), k.half(), cache.half(), cache.half(), slots)),
+        ("kv value shape", fn, (k, k[:, :1], cache, cache, slots)),
+        ("kv key ndim", fn, (k[0], k[0], cache, cache, slots)),
+        ("kv head_dim", fn, (k[..., :4], k[..., :4], cache, cache, slots)),
+        ("kv heads", fn, (k, k, cache[:, :, :1], cache[:, :, :1], slots)),
+        ("kv v_cache shape", fn, (k, k, cache, cache[:2], slots)),
+        ("kv cache ndim", fn, (k, k, cache[0], cache[0], slots)),
+        ("kv cache not contiguous", fn, (k, k, cache.transpose(0, 1), cache.transpose(0, 1), slots)),
+        ("kv slots length", fn, (k, k, cache, cache, slots[:2])),
+        ("kv slots int32", fn, (k, k, cache, cache, slots.int())),
+        ("kv slots 2-d", fn, (k, k, cache, cache, slots[None])),
     ]
 
 

@@ -1,16 +1,16 @@
 """The torch attention backend: the CPU path (and a fallback anywhere torch runs).
 
-Decodes go through one batched call over gathered K/V (``CpuAttentionBackend``: through
-the C++ paged-decode kernel instead, no gather); each prefill goes through
-SDPA, on the fresh K/V when it has no cached context and on K/V gathered from the
-cache when it does (chunked prefill, prefix-cache hits).
+Decodes go through one batched call over gathered K/V; each prefill goes through SDPA,
+on the fresh K/V when it has no cached context and on K/V gathered from the cache when
+it does (chunked prefill, prefix-cache hits). ``CpuAttentionBackend`` runs both through
+C++ kernels over the paged cache instead, no gather.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels import cpu_decode, reference
+from kernels import cpu_decode, cpu_fused, cpu_prefill, reference
 from services.worker.attention.base import AttentionBackend, AttentionMetadata
 
 
@@ -27,7 +27,7 @@ class TorchAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        reference.write_kv_cache(key, value, k_cache, v_cache, meta.slot_mapping)
+        self._write_kv_cache(key, value, k_cache, v_cache, meta)
         out = torch.empty_like(query)
         nd = meta.num_decodes
         if nd:
@@ -42,6 +42,10 @@ class TorchAttentionBackend(AttentionBackend):
                 v = reference.gather_kv(v_cache, meta.block_tables[i], seq_len)
             out[start:end] = reference.prefill_attention(query[start:end], k, v, scale)
         return out
+
+    def _write_kv_cache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+        reference.write_kv_cache(key, value, k_cache, v_cache, meta.slot_mapping)
 
     def _decode(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
@@ -60,11 +64,49 @@ class TorchAttentionBackend(AttentionBackend):
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
-    """The torch backend with decodes through the C++ kernel (``kernels/cpu_decode.py``):
-    it reads each K/V row of the paged cache once, where the torch path first gathers
-    the rows into a padded copy and then runs SDPA over it."""
+    """The torch backend with the C++ kernels: decodes through ``kernels/cpu_decode.py``
+    (it reads each K/V row of the paged cache once, where the torch path first gathers
+    the rows into a padded copy and then runs SDPA over it) and, where it built, all the
+    prefills of a step in one call through ``kernels/cpu_prefill.py`` (over the paged
+    cache, with or without cached context; SDPA per sequence runs at a third of its
+    speed at prompt lengths)."""
 
     name = "cpu"
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        nd = meta.num_decodes
+        if nd == meta.num_seqs or not cpu_prefill.available():
+            return super().forward(query, key, value, k_cache, v_cache, meta, scale)
+        self._write_kv_cache(key, value, k_cache, v_cache, meta)
+        out = torch.empty_like(query)
+        if nd:
+            self._decode(query[:nd], k_cache, v_cache, meta, scale, out[:nd])
+        first = meta.query_start_loc_host[nd]  # the prefills' tokens follow the decodes'
+        starts = meta.backend_state.get("cpu_prefill_starts")
+        if starts is None:  # the first layer of the step shifts them for all the others
+            starts = meta.query_start_loc[nd:] - first
+            meta.backend_state["cpu_prefill_starts"] = starts
+        cpu_prefill.paged_prefill_attention(
+            query[first:], k_cache, v_cache, starts, meta.seq_lens[nd:],
+            meta.block_tables[nd:], scale, out=out[first:],
+        )
+        return out
+
+    def _write_kv_cache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+        if key.dtype == k_cache.dtype and cpu_fused.available():  # one pass, no sync
+            cpu_fused.write_kv_cache(key, value, k_cache, v_cache, meta.slot_mapping)
+        else:
+            super()._write_kv_cache(key, value, k_cache, v_cache, meta)
 
     def _decode(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
