@@ -31,7 +31,20 @@ struct Shape {
 // num_kv_heads, D]) start at `rows`, at positions [pos, pos + n) of the partition.
 struct BlockView {
   int64_t n, pos;
+  // elements from this block to the next one the item reads (0: none): each row read
+  // here prefetches its twin there, so the next block's loads are spread over this
+  // block's compute instead of stalling in one burst
+  int64_t next_delta;
 };
+
+// The twin in the next block of the 64 elements at `row`.
+template <typename T>
+inline void prefetch_twin(const T* row, int64_t next_delta) {
+  if (next_delta == 0) return;
+  const char* p = reinterpret_cast<const char*>(row + next_delta);
+  for (int64_t off = 0; off < 64 * static_cast<int64_t>(sizeof(T)); off += 64)
+    __builtin_prefetch(p + off, 0, 2);  // into L2, as prefetch_block
+}
 
 #ifdef PAGODA_AVX512
 // The query heads of one kv head are taken in tiles of up to kTile rows: a tile's
@@ -87,6 +100,7 @@ void scores_tile(const Shape& s, const T* k, BlockView bv, const float* q, float
       }
       for (int64_t t = 0; t < nt; ++t) {
         const T* kt = k + (t0 + t) * s.row_stride + d0;
+        prefetch_twin(kt, bv.next_delta);
         __m512 kc[4];
         for (int c = 0; c < 4; ++c) kc[c] = load16(kt + 16 * c, m[c]);
         for (int i = 0; i < GT; ++i) {
@@ -117,6 +131,7 @@ void accumulate_tile(const Shape& s, const T* v, BlockView bv, const float* p, f
     }
     for (int64_t t = 0; t < bv.n; ++t) {
       const T* vt = v + t * s.row_stride + d0;
+      prefetch_twin(vt, bv.next_delta);
       __m512 w[GT];
       for (int i = 0; i < GT; ++i) w[i] = _mm512_set1_ps(pt[i * s.part_tokens + t]);
       for (int c = 0; c < 4; ++c) {
