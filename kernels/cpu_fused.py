@@ -89,3 +89,9 @@ def write_kv_cache(
     block_size) raises ValueError before anything is written. Two tokens with the same
     slot: one of them is stored (which one, unspecified, as with index_copy_)."""
     _ops().write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:  # [R, V] float32 -> [R] int64
+    """``x.argmax(dim=-1)`` of a 2-D fp32 CPU tensor whose last dim has stride 1: the first
+    index of the largest value, a NaN counting as the largest (as torch)."""
+    return _ops().argmax_rows(x)

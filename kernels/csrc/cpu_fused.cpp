@@ -369,6 +369,44 @@ void write_kv_cache(const at::Tensor& key_in, const at::Tensor& value_in, const 
   });
 }
 
+// out[r] = torch.argmax(x[r]) for a [R, V] fp32 tensor with unit stride along V: the
+// first index of the largest value, a NaN counting as larger than everything (the first
+// NaN wins). One vectorised pass for the max (and whether there is a NaN), then a scan
+// to its first index. torch's CPU argmax ran at ~2 G elements/s, 1.4 ms of a batch-36
+// decode step over SmolLM2's 49,152 logits; this is ~5x faster (memory-bound).
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+                    "argmax_rows takes a 2-D float32 CPU tensor, got ", x.sizes(), " ",
+                    x.scalar_type());
+  const int64_t rows = x.size(0), vocab = x.size(1), ld = x.stride(0);
+  TORCH_CHECK_VALUE(vocab > 0 && (x.stride(1) == 1 || vocab == 1),
+                    "argmax_rows needs a non-empty last dim of stride 1");
+  at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+  const float* base = x.const_data_ptr<float>();
+  at::parallel_for(0, rows, grain_rows(vocab), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = base + r * ld;
+      float m = -std::numeric_limits<float>::infinity();
+      int nan = 0;
+#pragma omp simd reduction(max : m) reduction(| : nan)
+      for (int64_t i = 0; i < vocab; ++i) {
+        const float v = row[i];
+        nan |= v != v;
+        m = v > m ? v : m;
+      }
+      int64_t i = 0;
+      if (nan) {
+        while (row[i] == row[i]) ++i;
+      } else {
+        while (row[i] != m) ++i;  // m is one of the row's values (or -inf: all are)
+      }
+      o[r] = i;
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 // The namespace is a macro so a variant build could register apart (as cpu_decode).
@@ -381,6 +419,7 @@ PAGODA_LIBRARY(PAGODA_OP_NS, m) {
         "Tensor sin_cache) -> (Tensor, Tensor)",
         &rotary);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
+  m.def("argmax_rows(Tensor x) -> Tensor", &argmax_rows);
   m.def("write_kv_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor slot_mapping) -> ()",
         &write_kv_cache);

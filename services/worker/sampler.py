@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import cpu_fused
 from shared.protocol import TokenLogprobs
 from shared.sampling_params import SamplingParams
 
@@ -326,6 +327,15 @@ def apply_top_k_top_p_min_p(probs: torch.Tensor, rm: RandomMetadata) -> torch.Te
     return probs
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R] int64
+    """``x.argmax(dim=-1)``; fp32 on the CPU through the C++ kernel where it built (torch's
+    ran at ~2 G elements/s: 1.4 ms of a batch-36 SmolLM2 decode step; this ~5x faster)."""
+    if (x.is_cpu and x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] > 0
+            and x.stride(1) == 1 and cpu_fused.available()):
+        return cpu_fused.argmax_rows(x)
+    return x.argmax(dim=-1)
+
+
 def exponential_race(
     probs: torch.Tensor, rm: RandomMetadata, generator: torch.Generator
 ) -> torch.Tensor:
@@ -343,7 +353,7 @@ def exponential_race(
         for pos, seed in rm.seeded:
             noise[pos].uniform_(generator=row_gen.manual_seed(seed))
     noise.clamp_min_(torch.finfo(noise.dtype).tiny).log_().neg_()
-    return probs.div_(noise).argmax(dim=-1)
+    return argmax_rows(probs.div_(noise))
 
 
 def compute_logprobs(
@@ -405,17 +415,17 @@ class Sampler:
     def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         raw = logits.float()  # [B, V]
         if metadata.is_plain_greedy:
-            return SamplerOutput(raw.argmax(dim=-1), [None] * metadata.num_rows)
+            return SamplerOutput(argmax_rows(raw), [None] * metadata.num_rows)
         logits = raw
         if metadata.penalties is not None or metadata.min_tokens_ids.numel():
             logits = apply_penalties(apply_min_tokens(raw.clone(), metadata), metadata)
         rm = metadata.random
         if rm is None:
-            sampled = logits.argmax(dim=-1)  # [B]
+            sampled = argmax_rows(logits)  # [B]
         else:
             sampled = torch.empty(metadata.num_rows, dtype=torch.int64, device=logits.device)
             if metadata.greedy_rows.numel():
-                greedy = logits.index_select(0, metadata.greedy_rows).argmax(dim=-1)
+                greedy = argmax_rows(logits.index_select(0, metadata.greedy_rows))
                 sampled.index_copy_(0, metadata.greedy_rows, greedy)
             scaled = logits.index_select(0, rm.rows).div_(rm.temperature)  # [R, V]
             probs = apply_top_k_top_p_min_p(torch.softmax(scaled, dim=-1), rm)

@@ -353,3 +353,37 @@ def test_failed_build_is_reported_once_and_modules_fall_back(
         cpu_fused.silu_mul(x)
     out, residual = RMSNorm(64, 1e-6)(x, x)  # fused=True, but the torch path runs
     assert torch.equal(residual, x + x)
+
+
+# -- argmax_rows ---------------------------------------------------------------------------
+def _argmax_cases() -> list[tuple[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(7)
+    special = torch.randn(7, 50, generator=gen)
+    special[0, 3] = special[0, 7] = float("nan")  # the first NaN wins
+    special[1] = float("-inf")  # every value -inf: index 0
+    special[2] = 1.0  # all ties: index 0
+    special[3, 10] = special[3, 20] = float("inf")  # the first of two +inf
+    special[4] = float("nan")
+    special[5, -1] = 1e30  # the largest is last
+    special[6, 0] = -0.0
+    return [
+        ("vocab-sized", torch.randn(36, 49152, generator=gen)),
+        ("one column", torch.randn(5, 1, generator=gen)),
+        ("one row, odd width", torch.randn(1, 37, generator=gen)),
+        ("special values", special),
+        ("row-strided", torch.randn(9, 64, generator=gen)[:, :41]),
+        ("duplicated maxima", torch.randint(0, 3, (20, 300), generator=gen).float()),
+    ]
+
+
+@pytest.mark.parametrize("case", _argmax_cases(), ids=lambda c: c[0])
+def test_argmax_rows_matches_torch(case: tuple[str, torch.Tensor]) -> None:
+    x = case[1]
+    assert torch.equal(cpu_fused.argmax_rows(x), x.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("bad", [torch.zeros(3, 4).bfloat16(), torch.zeros(3), torch.zeros(3, 0),
+                                 torch.zeros(4, 3).t()], ids=["bf16", "1-D", "empty", "transposed"])
+def test_argmax_rows_rejects(bad: torch.Tensor) -> None:
+    with pytest.raises(ValueError):
+        cpu_fused.argmax_rows(bad)
