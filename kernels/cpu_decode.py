@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import torch
 
+from kernels.cpu_attention_checks import check_buffers, check_heads
 from kernels.cpu_extension import CSRC, SCALAR_HEADER, LazyExtension, build_extension
 
 _SOURCE, _HEADERS = CSRC / "cpu_decode.cpp", [CSRC / "cpu_decode_blocks.h", SCALAR_HEADER]
 OP_NAMESPACE = "pagoda_cpu_decode"  # the source's default PAGODA_OP_NS
-DTYPES = (torch.float32, torch.bfloat16)
-INDEX_DTYPES = (torch.int32, torch.int64)
-MAX_HEAD_DIM = 256
 
 
 def build_library(namespace: str = OP_NAMESPACE, defines: tuple[str, ...] = ()) -> None:
@@ -36,53 +34,19 @@ def available() -> bool:
     return _extension.available()
 
 
-def _check_shapes(
-    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    block_tables: torch.Tensor, seq_lens: torch.Tensor,
-) -> None:
-    if query.ndim != 3 or k_cache.ndim != 4:
-        raise ValueError(f"query must be 3-D, k_cache 4-D; got {query.ndim}-D, {k_cache.ndim}-D")
-    if v_cache.shape != k_cache.shape:
-        raise ValueError(f"k_cache {tuple(k_cache.shape)} != v_cache {tuple(v_cache.shape)}")
-    batch, num_heads, head_dim = query.shape
-    num_kv_heads, cache_head_dim = k_cache.shape[2:]
-    if cache_head_dim != head_dim or head_dim % 8 or not 0 < head_dim <= MAX_HEAD_DIM:
-        raise ValueError(
-            f"head_dim {head_dim} (cache: {cache_head_dim}) must match and be a multiple "
-            f"of 8 up to {MAX_HEAD_DIM}"
-        )
-    if num_kv_heads == 0 or num_heads % num_kv_heads:
-        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    if block_tables.ndim != 2 or block_tables.shape[0] != batch or seq_lens.shape != (batch,):
-        raise ValueError(
-            f"block_tables must be [{batch}, max_blocks] and seq_lens [{batch}]; got "
-            f"{tuple(block_tables.shape)} and {tuple(seq_lens.shape)}"
-        )
-
-
 def _check(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_tables: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor | None,
 ) -> None:
     """Raise ValueError for anything the kernel would not read as documented."""
-    _check_shapes(query, k_cache, v_cache, block_tables, seq_lens)
-    if query.dtype not in DTYPES or not query.dtype == k_cache.dtype == v_cache.dtype:
+    check_heads(query, k_cache, v_cache)
+    batch = query.shape[0]
+    if block_tables.ndim != 2 or block_tables.shape[0] != batch or seq_lens.shape != (batch,):
         raise ValueError(
-            f"query, k_cache, v_cache must share a dtype in {DTYPES}; got "
-            f"{query.dtype}, {k_cache.dtype}, {v_cache.dtype}"
+            f"block_tables must be [{batch}, max_blocks] and seq_lens [{batch}]; got "
+            f"{tuple(block_tables.shape)} and {tuple(seq_lens.shape)}"
         )
-    if block_tables.dtype not in INDEX_DTYPES or seq_lens.dtype not in INDEX_DTYPES:
-        raise ValueError(
-            f"block_tables and seq_lens must be int32 or int64; got "
-            f"{block_tables.dtype}, {seq_lens.dtype}"
-        )
-    tensors = [query, k_cache, v_cache, block_tables, seq_lens]
-    if out is not None:
-        if out.shape != query.shape or out.dtype != query.dtype:
-            raise ValueError(f"out must be like query; got {tuple(out.shape)} {out.dtype}")
-        tensors.append(out)
-    if any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
-        raise ValueError("every tensor must be a contiguous CPU tensor")
+    check_buffers(query, k_cache, v_cache, {"block_tables": block_tables, "seq_lens": seq_lens}, out)
 
 
 def paged_decode_attention(

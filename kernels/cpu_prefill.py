@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import torch
 
+from kernels.cpu_attention_checks import check_buffers, check_heads
 from kernels.cpu_extension import CSRC, SCALAR_HEADER, LazyExtension, build_extension
 
 _SOURCE = CSRC / "cpu_prefill.cpp"
 _HEADERS = [CSRC / "cpu_prefill_tiles.h", SCALAR_HEADER]
 OP_NAMESPACE = "pagoda_cpu_prefill"  # the source's default PAGODA_OP_NS
-DTYPES = (torch.float32, torch.bfloat16)
-INDEX_DTYPES = (torch.int32, torch.int64)
-MAX_HEAD_DIM = 256
 
 
 def build_library(namespace: str = OP_NAMESPACE, defines: tuple[str, ...] = ()) -> None:
@@ -39,23 +37,13 @@ def available() -> bool:
     return _extension.available()
 
 
-def _check_shapes(
+def _check(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+    out: torch.Tensor | None,
 ) -> None:
-    if query.ndim != 3 or k_cache.ndim != 4:
-        raise ValueError(f"query must be 3-D, k_cache 4-D; got {query.ndim}-D, {k_cache.ndim}-D")
-    if v_cache.shape != k_cache.shape:
-        raise ValueError(f"k_cache {tuple(k_cache.shape)} != v_cache {tuple(v_cache.shape)}")
-    num_heads, head_dim = query.shape[1:]
-    num_kv_heads, cache_head_dim = k_cache.shape[2:]
-    if cache_head_dim != head_dim or head_dim % 8 or not 0 < head_dim <= MAX_HEAD_DIM:
-        raise ValueError(
-            f"head_dim {head_dim} (cache: {cache_head_dim}) must match and be a multiple "
-            f"of 8 up to {MAX_HEAD_DIM}"
-        )
-    if num_kv_heads == 0 or num_heads % num_kv_heads:
-        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    """Raise ValueError for anything the kernel would not read as documented."""
+    check_heads(query, k_cache, v_cache)
     if seq_lens.ndim != 1:
         raise ValueError(f"seq_lens must be 1-D; got {tuple(seq_lens.shape)}")
     batch = seq_lens.shape[0]
@@ -67,33 +55,9 @@ def _check_shapes(
         raise ValueError(
             f"block_tables must be [{batch}, max_blocks]; got {tuple(block_tables.shape)}"
         )
-
-
-def _check(
-    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-    out: torch.Tensor | None,
-) -> None:
-    """Raise ValueError for anything the kernel would not read as documented."""
-    _check_shapes(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
-    if query.dtype not in DTYPES or not query.dtype == k_cache.dtype == v_cache.dtype:
-        raise ValueError(
-            f"query, k_cache, v_cache must share a dtype in {DTYPES}; got "
-            f"{query.dtype}, {k_cache.dtype}, {v_cache.dtype}"
-        )
-    indices = (query_start_loc, seq_lens, block_tables)
-    if any(t.dtype not in INDEX_DTYPES for t in indices):
-        raise ValueError(
-            "query_start_loc, seq_lens and block_tables must be int32 or int64; got "
-            + ", ".join(str(t.dtype) for t in indices)
-        )
-    tensors = [query, k_cache, v_cache, *indices]
-    if out is not None:
-        if out.shape != query.shape or out.dtype != query.dtype:
-            raise ValueError(f"out must be like query; got {tuple(out.shape)} {out.dtype}")
-        tensors.append(out)
-    if any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
-        raise ValueError("every tensor must be a contiguous CPU tensor")
+    indices = {"query_start_loc": query_start_loc, "seq_lens": seq_lens,
+               "block_tables": block_tables}
+    check_buffers(query, k_cache, v_cache, indices, out)
 
 
 def paged_prefill_attention(
