@@ -12,7 +12,8 @@ exp inside SiLU (both ~1 fp32 ulp); in bf16, SiLU reads silu(gate) from a table 
 2^16 gate values that the kernel builds with the same code. ``write_kv_cache`` is an
 exact copy, as ``reference.write_kv_cache``. fp32 or bf16 activations; the kernels
 check their inputs (ValueError). The build (``cpu_extension``, as ``cpu_decode``'s) adds
--ffp-contract=off so that a * b - c * d rounds as torch's separate ops do. ``available()`` reports whether it built; callers keep the torch path.
+-ffp-contract=off so that a * b - c * d rounds as torch's separate ops do.
+``available()`` reports whether it built; callers keep the torch path.
 """
 
 from __future__ import annotations

@@ -32,8 +32,16 @@ class TorchAttentionBackend(AttentionBackend):
         nd = meta.num_decodes
         if nd:
             self._decode(query[:nd], k_cache, v_cache, meta, scale, out[:nd])
+        if nd < meta.num_seqs:
+            self._prefill(query, key, value, k_cache, v_cache, meta, scale, out)
+        return out
+
+    def _prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                 scale: float, out: torch.Tensor) -> None:
+        """The prefills (the sequences after the decodes) into their rows of ``out``."""
         qsl = meta.query_start_loc_host
-        for i in range(nd, meta.num_seqs):
+        for i in range(meta.num_decodes, meta.num_seqs):
             start, end, seq_len = qsl[i], qsl[i + 1], meta.seq_lens_host[i]
             if seq_len == end - start:  # no cached context: the fresh K/V are the sequence
                 k, v = key[start:end], value[start:end]
@@ -41,7 +49,6 @@ class TorchAttentionBackend(AttentionBackend):
                 k = reference.gather_kv(k_cache, meta.block_tables[i], seq_len)
                 v = reference.gather_kv(v_cache, meta.block_tables[i], seq_len)
             out[start:end] = reference.prefill_attention(query[start:end], k, v, scale)
-        return out
 
     def _write_kv_cache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                         v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
@@ -73,23 +80,13 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     name = "cpu"
 
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
+    def _prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                 scale: float, out: torch.Tensor) -> None:
+        if not cpu_prefill.available():
+            super()._prefill(query, key, value, k_cache, v_cache, meta, scale, out)
+            return
         nd = meta.num_decodes
-        if nd == meta.num_seqs or not cpu_prefill.available():
-            return super().forward(query, key, value, k_cache, v_cache, meta, scale)
-        self._write_kv_cache(key, value, k_cache, v_cache, meta)
-        out = torch.empty_like(query)
-        if nd:
-            self._decode(query[:nd], k_cache, v_cache, meta, scale, out[:nd])
         first = meta.query_start_loc_host[nd]  # the prefills' tokens follow the decodes'
         starts = meta.backend_state.get("cpu_prefill_starts")
         if starts is None:  # the first layer of the step shifts them for all the others
@@ -99,7 +96,6 @@ class CpuAttentionBackend(TorchAttentionBackend):
             query[first:], k_cache, v_cache, starts, meta.seq_lens[nd:],
             meta.block_tables[nd:], scale, out=out[first:],
         )
-        return out
 
     def _write_kv_cache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                         v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
