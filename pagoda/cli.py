@@ -12,14 +12,15 @@ import sys
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2", help="smollm2 or a local HF directory")
+    """Sampling flags, and every engine setting as the roles take it (shared/config.py)."""
+    from shared.config import add_arguments
+
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--kv-cache-bytes", type=int, default=None)
+    add_arguments(p, groups=("engine",))
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -47,9 +48,12 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _engine_and_params(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from pagoda.llm import LLM, SamplingParams
+    from dataclasses import asdict
 
-    llm = LLM(args.model, max_model_len=args.max_model_len, kv_cache_bytes=args.kv_cache_bytes)
+    from pagoda.llm import LLM, SamplingParams
+    from shared.config import load_engine_settings
+
+    llm = LLM(**asdict(load_engine_settings(args)))  # flag > PAGODA_* env > default
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, seed=args.seed,

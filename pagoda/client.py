@@ -36,6 +36,7 @@ import zmq.asyncio
 from shared.codec import EncodeError, MalformedFrameCounter, encode, safe_decode
 from shared.ipc import make_socket
 from shared.protocol import (
+    FRONTEND_TO_CLIENT,
     AbortRequest,
     ChatMessage,
     GenerateOutput,
@@ -52,8 +53,6 @@ __all__ = [
 ]
 
 DEFAULT_TIMEOUT_S = 300.0
-_SOCKET_NAME = "client"
-_REPLIES = (GenerateOutput, RequestError)
 
 
 class PagodaError(Exception):
@@ -186,7 +185,7 @@ def _build_request(
         raise InvalidRequestError("give exactly one of prompt and messages", "invalid_request",
                                   request_id)
     try:
-        encode(req)  # a negative or huge token id, a non-str content: refused before sending
+        encode(req, validate=True)  # a negative or huge token id, a non-str content: refused
     except EncodeError as e:
         raise InvalidRequestError(str(e), "invalid_request", request_id) from None
     return req
@@ -282,7 +281,7 @@ class Client(_Base):
         return buf.popleft()
 
     def _route(self, frames: list[Any]) -> None:
-        msg = safe_decode(frames, _SOCKET_NAME, _REPLIES, self.counter)
+        msg = safe_decode(frames, FRONTEND_TO_CLIENT, self.counter)
         if msg is not None and (buf := self._buffers.get(msg.request_id)) is not None:
             buf.append(msg)  # replies for requests no longer awaited are dropped
 
@@ -348,7 +347,7 @@ class AsyncClient(_Base):
     async def _receive_loop(self) -> None:
         while True:
             frames = await self._sock.recv_multipart(copy=False)
-            msg = safe_decode(frames, _SOCKET_NAME, _REPLIES, self.counter)
+            msg = safe_decode(frames, FRONTEND_TO_CLIENT, self.counter)
             if msg is not None and (queue := self._queues.get(msg.request_id)) is not None:
                 queue.put_nowait(msg)
 

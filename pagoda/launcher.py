@@ -25,7 +25,15 @@ import threading
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from shared.config import SETTINGS, Endpoints, PagodaConfig, add_arguments, load_config, resolve
+from shared.config import (
+    SETTINGS,
+    ConfigError,
+    Endpoints,
+    PagodaConfig,
+    add_arguments,
+    load_config,
+    resolve,
+)
 from shared.ipc import ReadyError, private_run_dir, wait_ready
 
 _PR_SET_PDEATHSIG = 1
@@ -133,9 +141,14 @@ def serve(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     with private_run_dir() as run_dir:
-        values = resolve(args)
+        try:
+            values = resolve(args)
+            load_config(args, default_endpoints=Endpoints.local(run_dir, values["num_frontends"]))
+        except ConfigError as e:  # before fetching anything
+            print(f"pagoda serve: {e}", file=sys.stderr)
+            return 2
         # fetch once here, so the children find the model in the cache
-        model_dir = resolve_model(values["model"])
+        model_dir = resolve_model(values["model"], values["cache_dir"])
         config = load_config({**vars(args), "model": str(model_dir)},
                              default_endpoints=Endpoints.local(run_dir, values["num_frontends"]))
         stack = Stack(config)

@@ -15,11 +15,12 @@ from typing import Any, Union
 
 from tqdm import tqdm
 
-from pagoda.engine import EngineConfig, EngineCore
+from pagoda.engine import EngineCore
 from pagoda.model_fetch import resolve_model
 from pagoda.outputs import CompletionOutput, RequestOutput
 from shared.protocol import RequestOutput as StepOutput
 from services.tokenizer.detokenizer import IncrementalDetokenizer
+from shared.config import EngineSettings, engine_settings, resolve_setting
 from shared.protocol import TokenLogprobs
 from shared.sampling_params import SamplingParams
 
@@ -43,32 +44,20 @@ class _Sample:
 
 
 class LLM:
-    def __init__(
-        self,
-        model: str = "smollm2",
-        *,
-        block_size: int = 16,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 2048,
-        enable_prefix_caching: bool = True,
-        kv_cache_bytes: int | None = None,
-        num_kv_blocks: int | None = None,
-        max_model_len: int | None = None,
-        dtype: str = "auto",
-        device: str = "auto",
-        strict_invariants: bool = False,
-    ) -> None:
-        self.model_dir = resolve_model(model)
-        self.engine = EngineCore(
-            self.model_dir,
-            EngineConfig(
-                block_size=block_size, max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                enable_prefix_caching=enable_prefix_caching, kv_cache_bytes=kv_cache_bytes,
-                num_kv_blocks=num_kv_blocks, max_model_len=max_model_len, dtype=dtype,
-                device=device, strict_invariants=strict_invariants,
-            ),
-        )
+    """``LLM(model, **settings)``: ``settings`` are exactly the engine settings of every
+    pagoda process (``shared.config.EngineSettings``: ``block_size``, ``max_num_seqs``,
+    ``kv_cache_bytes``, ``dtype``, ...), validated by that frozen dataclass; an unknown
+    name is a TypeError naming it, a bad value a ConfigError. Unlike a process, ``LLM``
+    does not read the engine settings' ``PAGODA_*`` variables (the kwargs define the
+    engine); it does read three rows of the same registry: ``PAGODA_CACHE`` (where models
+    are fetched), ``PAGODA_ATTENTION_BACKEND`` (when ``attention_backend`` is ``auto``) and
+    ``PAGODA_TESTING=1`` (a broken scheduler invariant raises, as in the test suite)."""
+
+    def __init__(self, model: str = EngineSettings.model, **settings: Any) -> None:
+        self.settings = engine_settings({"model": model, **settings}, caller="LLM")
+        self.model_dir = resolve_model(self.settings.model)
+        self.engine = EngineCore(self.model_dir, self.settings,
+                                 strict_invariants=bool(resolve_setting("testing")))
         self.tokenizer = _load_tokenizer(self.model_dir)
         self._ids = itertools.count()
 

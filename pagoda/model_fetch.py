@@ -41,7 +41,9 @@ from typing import Any
 
 from tqdm import tqdm
 
-CACHE_ENV_VAR = "PAGODA_CACHE"
+from shared.config import DEFAULT_CACHE_DIR, SETTINGS_BY_KEY, resolve_setting
+
+CACHE_ENV_VAR = SETTINGS_BY_KEY["cache_dir"].env  # PAGODA_CACHE
 COMPLETE_MARKER = ".pagoda-complete"
 
 
@@ -83,19 +85,22 @@ BuildFn = Callable[[ModelAlias, Path, tqdm], None]
 
 
 def default_cache_dir() -> Path:
-    """``$PAGODA_CACHE`` if set, else ``~/.cache/pagoda``."""
-    env = os.environ.get(CACHE_ENV_VAR)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "pagoda"
+    """The ``cache_dir`` setting's environment variable ``$PAGODA_CACHE`` if set, else
+    ``~/.cache/pagoda`` (shared/config.py)."""
+    return Path(resolve_setting("cache_dir") or DEFAULT_CACHE_DIR).expanduser()
 
 
 def resolve_model(
-    name_or_path: str | os.PathLike[str], cache_dir: Path | None = None, progress: bool = True
+    name_or_path: str | os.PathLike[str], cache_dir: str | os.PathLike[str] | None = None,
+    progress: bool = True,
 ) -> Path:
-    """Return the local HF directory for an alias (fetching it once) or a local path."""
+    """Return the local HF directory for an alias (fetching it once) or a local path.
+    ``cache_dir``: a process's resolved ``cache_dir`` setting; None: ``default_cache_dir()``."""
     name = os.fspath(name_or_path)
     alias = ALIASES.get(name)
     if alias is not None:
-        return fetch_alias(alias, cache_dir or default_cache_dir(), progress=progress)
+        cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+        return fetch_alias(alias, cache, progress=progress)
     path = Path(name).expanduser()
     if (path / "config.json").is_file():
         return path.resolve()
@@ -346,7 +351,7 @@ def fetch_main(argv: list[str]) -> int:
     parser.add_argument("name", nargs="?", default="smollm2",
                         help=f"an alias ({', '.join(sorted(ALIASES))}) or a local HF directory")
     parser.add_argument("--cache-dir", default=None, help=f"default: ${CACHE_ENV_VAR} or "
-                        "~/.cache/pagoda")
+                        f"{DEFAULT_CACHE_DIR}")
     args = parser.parse_args(argv)
     cache_dir = Path(args.cache_dir) if args.cache_dir else None
     try:

@@ -15,12 +15,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
+from dataclasses import asdict
 
 from pagoda.bench.workload import Workload, make_workload
 from pagoda.launcher import Stack
 from pagoda.model_fetch import resolve_model
 from services.scheduler.bench import bench_llm_outputs
-from shared.config import Endpoints, load_config
+from shared.config import Endpoints, EngineSettings, load_config
 from shared.ipc import private_run_dir
 
 
@@ -43,9 +44,11 @@ async def _run_clients(addresses: tuple[str, ...], work: Workload) -> tuple[floa
             await c.close()
 
 
-def bench_pipeline(model_dir: str, work: Workload, num_frontends: int) -> tuple[float, list[list[int]]]:
+def bench_pipeline(settings: EngineSettings, work: Workload,
+                   num_frontends: int) -> tuple[float, list[list[int]]]:
     with private_run_dir() as run_dir:
-        config = load_config({"model": model_dir, "num_frontends": num_frontends}, env={},
+        # env={}: the same engine settings as the offline run, not the shell's PAGODA_*
+        config = load_config({**asdict(settings), "num_frontends": num_frontends}, env={},
                              default_endpoints=Endpoints.local(run_dir, num_frontends))
         stack = Stack(config)
         try:
@@ -74,9 +77,10 @@ def main(argv: list[str] | None = None) -> None:
     orange = tuple(int(x) for x in args.output_range.split(","))
     work = make_workload(AutoTokenizer.from_pretrained(model_dir), args.requests, pr, orange)  # type: ignore[arg-type]
     print(f"{args.requests} requests, prompts {pr}, outputs {orange}, {sum(work.output_lens)} output tokens")
-    offline, offline_tokens = bench_llm_outputs(model_dir, work)
+    settings = EngineSettings(model=model_dir)  # one engine configuration for both runs
+    offline, offline_tokens = bench_llm_outputs(settings, work)
     print(f"offline LLM:            {offline:8.1f} output tok/s", flush=True)
-    online, online_tokens = bench_pipeline(model_dir, work, args.frontends)
+    online, online_tokens = bench_pipeline(settings, work, args.frontends)
     print(f"pipeline ({args.frontends} frontends): {online:8.1f} output tok/s", flush=True)
     print(f"pipeline / offline: {online / offline:.2f} (target >= 0.9); "
           f"tokens identical: {online_tokens == offline_tokens}")

@@ -3,10 +3,12 @@
 Each value is declared once in ``SETTINGS`` (name, ``PAGODA_*`` environment variable,
 type, default, help). ``add_arguments`` turns the table into argparse flags and
 ``load_config`` resolves each value as flag > environment > default into frozen
-dataclasses. ``pagoda serve`` passes ``Endpoints.local(run_dir)`` as the default
-endpoints (ipc:// files in a private run directory); a role started alone
-(``pagoda scheduler|worker|frontend``, what a container runs) takes its addresses
-from flags or environment, else the loopback-TCP defaults.
+dataclasses. The offline ``LLM(**kwargs)`` takes exactly ``EngineSettings``'s fields
+(``engine_settings``); a module with no config object at hand reads one row through
+``resolve_setting`` (same order), never ``os.environ``. ``pagoda serve`` passes
+``Endpoints.local(run_dir)`` as the default endpoints (ipc:// files in a private run
+directory); a role started alone (``pagoda scheduler|worker|frontend``, what a container
+runs) takes its addresses from flags or environment, else the loopback-TCP defaults.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ from shared.ipc import DEFAULT_HWM, check_address
 
 DEFAULT_BASE_PORT = 5570  # scheduler: +0 frontends, +1 step, +2 results; frontends: +10 + i
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+ATTENTION_BACKENDS = ("auto", "triton", "cpu", "torch")  # services/worker/attention/selector.py
+DEFAULT_CACHE_DIR = "~/.cache/pagoda"
+TP_ISSUE = "issue 15"
 
 
 class ConfigError(ValueError):
@@ -107,8 +112,9 @@ class EngineSettings:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     dtype: str = "auto"  # one of DTYPES; auto: bfloat16 on CUDA and on CPUs with native bf16, else float32
     device: str = "auto"  # auto, cpu, cuda, cuda:N
-    tensor_parallel_size: int = 1  # worker ranks the scheduler waits for
+    tensor_parallel_size: int = 1  # worker ranks the scheduler waits for; only 1 until TP lands
     max_queued_requests: int = 1024  # waiting requests before the scheduler answers overloaded
+    attention_backend: str = "auto"  # one of ATTENTION_BACKENDS; auto: the selector's choice
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens",
@@ -123,6 +129,13 @@ class EngineSettings:
             raise ConfigError(f"dtype: must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ConfigError(f"device: expected auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(f"attention_backend: must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                              f"got {self.attention_backend!r}")
+        if self.tensor_parallel_size > 1:
+            raise ConfigError(
+                f"tensor_parallel_size: {self.tensor_parallel_size} is not supported yet: each rank "
+                f"would hold the whole model; tensor parallelism is tracked in {TP_ISSUE}")
 
 
 @dataclass(frozen=True)
@@ -139,10 +152,18 @@ class ProcessSettings:
     max_frame_bytes: int = MAX_FRAME_BYTES
     startup_timeout_s: float = 300.0  # for a child's ready report (model load included)
     shutdown_timeout_s: float = 30.0  # drain time after SIGTERM
+    step_timeout_s: float = 60.0  # a step without a result this long: the engine is dead
+    rank: int = 0  # this worker's rank, < tensor_parallel_size (pagoda serve sets it per worker)
+    testing: bool = False  # test mode: a broken scheduler invariant is fatal, not just counted
+    cache_dir: str = DEFAULT_CACHE_DIR  # where `pagoda fetch` puts models (env PAGODA_CACHE)
 
     def __post_init__(self) -> None:
         if self.num_frontends < 1 or self.frontend_index < 0:
             raise ConfigError("num_frontends must be >= 1 and frontend_index >= 0")
+        if self.rank < 0:
+            raise ConfigError(f"rank: must be >= 0, got {self.rank}")
+        if not self.cache_dir:
+            raise ConfigError("cache_dir: must not be empty")
         if not 0 < self.http_port < 65536:
             raise ConfigError(f"http_port: must be in 1..65535, got {self.http_port}")
         if self.http_max_body_bytes < 1024:
@@ -151,6 +172,8 @@ class ProcessSettings:
             raise ConfigError("socket_hwm must be >= 1 and max_frame_bytes >= 1024")
         if self.startup_timeout_s <= 0 or self.shutdown_timeout_s < 0:
             raise ConfigError("startup_timeout_s must be > 0 and shutdown_timeout_s >= 0")
+        if self.step_timeout_s <= 0:
+            raise ConfigError(f"step_timeout_s: must be > 0, got {self.step_timeout_s}")
 
 
 @dataclass(frozen=True)
@@ -195,6 +218,15 @@ def _parse_addresses(text: str) -> tuple[str, ...]:
     return tuple(a.strip() for a in text.split(",") if a.strip())
 
 
+def _choice(*names: str) -> Callable[[str], str]:
+    def parse_choice(text: str) -> str:
+        if text not in names:
+            raise ValueError(f"expected one of {', '.join(names)}, got {text!r}")
+        return text
+
+    return parse_choice
+
+
 @dataclass(frozen=True)
 class Setting:
     """One value any process may need: its env var, flag, parser, default and help."""
@@ -204,10 +236,11 @@ class Setting:
     parse: Callable[[str], Any]
     default: Any
     help: str
+    env_name: str | None = None  # only where an older name must keep working
 
     @property
     def env(self) -> str:
-        return "PAGODA_" + self.key.upper()
+        return self.env_name or "PAGODA_" + self.key.upper()
 
     @property
     def flag(self) -> str:
@@ -234,9 +267,13 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("max_model_len", "engine", _optional(int), None, "longest prompt + output"),
     Setting("dtype", "engine", str, _ENGINE.dtype, f"one of {', '.join(DTYPES)}"),
     Setting("device", "engine", str, _ENGINE.device, "auto, cpu, cuda or cuda:N"),
-    Setting("tensor_parallel_size", "engine", int, _ENGINE.tensor_parallel_size, "worker ranks"),
+    Setting("tensor_parallel_size", "engine", int, _ENGINE.tensor_parallel_size,
+            f"worker ranks; only 1 until tensor parallelism lands ({TP_ISSUE})"),
     Setting("max_queued_requests", "engine", int, _ENGINE.max_queued_requests,
             "waiting requests before new ones are refused as overloaded"),
+    Setting("attention_backend", "engine", _choice(*ATTENTION_BACKENDS), _ENGINE.attention_backend,
+            "worker attention backend; auto: triton on CUDA, else the cpu kernel if it builds, "
+            "else torch"),
     Setting("num_frontends", "process", int, _PROC.num_frontends, "frontends serve starts"),
     Setting("frontend_index", "process", int, _PROC.frontend_index,
             "which frontend_native address this frontend binds"),
@@ -253,6 +290,14 @@ SETTINGS: tuple[Setting, ...] = (
             "seconds to wait for a child process to report ready"),
     Setting("shutdown_timeout_s", "process", float, _PROC.shutdown_timeout_s,
             "seconds to drain on SIGTERM"),
+    Setting("step_timeout_s", "process", float, _PROC.step_timeout_s,
+            "seconds the scheduler waits for a step's result before failing every request"),
+    Setting("rank", "process", int, _PROC.rank,
+            "this worker's rank (pagoda serve passes --rank to each worker)"),
+    Setting("testing", "process", _parse_bool, _PROC.testing,
+            "test mode: a broken scheduler invariant is fatal (the test suite sets it)"),
+    Setting("cache_dir", "process", str, _PROC.cache_dir,
+            "directory of fetched models (pagoda fetch)", env_name="PAGODA_CACHE"),
 )
 SETTINGS_BY_KEY: dict[str, Setting] = {s.key: s for s in SETTINGS}
 
@@ -282,18 +327,45 @@ def resolve(
     """Every setting's value: the flag if given, else its PAGODA_* variable, else the default."""
     given = vars(args) if isinstance(args, argparse.Namespace) else dict(args or {})
     env = os.environ if env is None else env
-    values: dict[str, Any] = {}
-    for s in SETTINGS:
-        if given.get(s.key) is not None:
-            values[s.key] = given[s.key]
-        elif s.env in env:
-            try:
-                values[s.key] = s.parse(env[s.env])
-            except ValueError as e:
-                raise ConfigError(f"{s.env}: {e}") from None
-        else:
-            values[s.key] = s.default
-    return values
+    return {s.key: _resolve_one(s, given.get(s.key), env) for s in SETTINGS}
+
+
+def _resolve_one(s: Setting, flag: Any, env: Mapping[str, str]) -> Any:
+    if flag is not None:
+        return flag
+    if s.env in env:
+        try:
+            return s.parse(env[s.env])
+        except ValueError as e:
+            raise ConfigError(f"{s.env}: {e}") from None
+    return s.default
+
+
+def resolve_setting(key: str, flag: Any = None, env: Mapping[str, str] | None = None) -> Any:
+    """One row's value, flag > its environment variable > default: for a module that has
+    no config object at hand (the model cache, the attention backend of a bare runner)."""
+    return _resolve_one(SETTINGS_BY_KEY[key], flag, os.environ if env is None else env)
+
+
+def load_engine_settings(
+    args: argparse.Namespace | Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> EngineSettings:
+    """The engine settings alone, flag > environment > default (``pagoda generate|chat``)."""
+    given = vars(args) if isinstance(args, argparse.Namespace) else dict(args or {})
+    env = os.environ if env is None else env
+    return EngineSettings(**{f.name: _resolve_one(SETTINGS_BY_KEY[f.name], given.get(f.name), env)
+                             for f in fields(EngineSettings)})
+
+
+def engine_settings(values: Mapping[str, Any], caller: str = "EngineSettings") -> EngineSettings:
+    """``EngineSettings(**values)``, with a TypeError naming any key that is not a setting."""
+    names = [f.name for f in fields(EngineSettings)]
+    unknown = [k for k in values if k not in names]
+    if unknown:
+        raise TypeError(f"{caller}() got unknown engine setting(s) {', '.join(map(repr, unknown))}; "
+                        f"the engine settings are: {', '.join(names)}")
+    return EngineSettings(**values)
 
 
 def load_config(
@@ -315,6 +387,8 @@ def load_config(
             f"frontend_index {process.frontend_index} but only "
             f"{len(endpoints.frontend_native)} frontend_native addresses"
         )
+    if process.rank >= engine.tensor_parallel_size:
+        raise ConfigError(f"rank: {process.rank} but tensor_parallel_size is {engine.tensor_parallel_size}")
     return PagodaConfig(endpoints, engine, process)
 
 

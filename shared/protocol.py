@@ -1,11 +1,14 @@
-"""Every message that crosses a process boundary, declared once.
+"""Every message that crosses a process boundary, declared once, with its wire schema.
 
-Links (who sends what to whom):
-- frontend -> scheduler: ``AddRequest``, ``AbortRequest``;
+Links (who sends what to whom), each with one decoder below (``Link``):
+- frontend -> scheduler: ``AddRequest``, ``AbortRequest``, ``Heartbeat``;
 - scheduler -> frontend: ``RequestOutputs`` (one batch per step per frontend),
-  ``RequestError`` (a typed rejection of one request);
-- scheduler -> workers: ``StepBatch``; worker rank 0 -> scheduler: ``StepResult``;
-- worker -> scheduler at start-up: ``WorkerReady`` (the KV capacity handshake).
+  ``RequestError`` (a typed rejection of one request), ``EngineStats``;
+- scheduler -> workers: ``StepBatch``;
+- workers -> scheduler: ``WorkerReady`` (the KV capacity handshake), ``StepResult``
+  (rank 0, one per step);
+- client -> frontend (pagoda.client): ``GenerateRequest``, ``AbortRequest``;
+- frontend -> client: ``GenerateOutput``, ``RequestError``.
 
 The worker link, one step of the continuous batch:
 
@@ -16,34 +19,92 @@ block table travel once, when it is first scheduled or resumed after preemption
 requests that finished, were aborted or were preempted (a preempted request comes
 back later as a new request with all its tokens).
 
+Requests are named on this link by ``SeqId``, a compact int the scheduler mints per
+sequence (a sample of a request), never by the frontends' string request ids.
 The order of ``scheduled_request_ids`` is the order of the flattened token batch;
 ``StepResult`` lists, in that order, the requests that sampled a token this step
 (a request in the middle of a chunked prefill samples nothing).
 
-The ZMQ codec for these types lives in ``shared/codec.py``.
+Messages are ``msgspec.Struct``s: ``array_like`` (a message is a msgpack array of its
+fields in declaration order), tagged with a fixed int per top-level kind (the first
+array item; never reuse a number), ``forbid_unknown_fields`` (a longer array than the
+decoder knows is rejected). The annotations are the schema: a typed decode checks
+types and ``Meta`` ranges in C; ``__post_init__`` checks what Meta cannot express
+(finite floats, parallel list lengths) and runs on decode and on construction.
+Append new fields last, with defaults, so older peers' frames still decode.
+The frame envelope and ``safe_decode`` live in ``shared/codec.py``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal, cast, get_args
+
+import msgspec
 
 from shared.sampling_params import SamplingParams
 
+# Bump only for a change older peers cannot read (a removed or retyped field).
+WIRE_VERSION = 1
 
-@dataclass
-class NewRequest:
+MAX_STR_LEN = 1 << 20  # one string (request id, prompt, error message), in characters
+
+# Ints on the wire: counts and ids are non-negative int64; token and block ids fit int32
+# (the worker's tensors); AddRequest.priority is signed.
+Count = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]  # token ids and KV block ids
+SeqId = Count  # the worker link's request id: one sequence, minted by the scheduler
+Text = Annotated[str, msgspec.Meta(max_length=MAX_STR_LEN)]
+
+
+class _Wire(
+    msgspec.Struct, array_like=True, omit_defaults=True, gc=False, forbid_unknown_fields=True
+):
+    """Base of every wire struct (the options are inherited). ``omit_defaults`` does not
+    shorten ``array_like`` structs in msgspec 0.22; it is set for when it does."""
+
+
+def _finite(where: str, value: float) -> None:
+    if not math.isfinite(value):
+        raise ValueError(f"{where}: must be finite, got {value}")
+
+
+def _finite_list(where: str, values: Sequence[float], allow_neg_inf: bool = False) -> None:
+    if not values or math.isfinite(sum(values)):  # the common case, in C
+        return
+    for v in values:
+        if math.isnan(v) or v == math.inf or (v == -math.inf and not allow_neg_inf):
+            raise ValueError(f"{where}: must be finite, got {v}")
+
+
+def _same_length(where: str, a: Sequence[Any], b: Sequence[Any], names: str) -> None:
+    if len(a) != len(b):
+        raise ValueError(f"{where}: {names} have {len(a)} and {len(b)} items")
+
+
+# -- scheduler <-> workers -------------------------------------------------------------------
+
+
+class NewRequest(_Wire):
     """A request the workers have no state for: sent in full, once."""
 
-    request_id: str
+    request_id: SeqId
     # prompt tokens followed by any output tokens generated before a preemption
-    token_ids: list[int]
+    token_ids: list[TokenId]
     # token_ids[:num_prompt_tokens] is the prompt (penalties tell prompt from output)
-    num_prompt_tokens: int
+    num_prompt_tokens: Count
     sampling_params: SamplingParams
     # physical KV block ids, in logical order; covers at least the tokens of this step
-    block_ids: list[int]
+    block_ids: list[TokenId]
     # tokens whose K/V are already in the cache (prefix-cache hit); computing starts here
-    num_computed_tokens: int
+    num_computed_tokens: Count
+
+    def __post_init__(self) -> None:
+        n = len(self.token_ids)
+        if self.num_prompt_tokens > n or self.num_computed_tokens > n:
+            raise ValueError(f"NewRequest: counts exceed its {n} tokens")
 
     def __repr__(self) -> str:  # token ids are long and may be private
         return (
@@ -53,26 +114,28 @@ class NewRequest:
         )
 
 
-@dataclass
-class RunningRequest:
+class RunningRequest(_Wire):
     """A request the workers already hold: only what changed since last step."""
 
-    request_id: str
+    request_id: SeqId
     # blocks appended to the end of its block table since its last step
-    new_block_ids: list[int] = field(default_factory=list)
+    new_block_ids: list[TokenId] = []
 
 
-@dataclass
-class StepBatch:
-    step_id: int
-    new_requests: list[NewRequest] = field(default_factory=list)
-    running_requests: list[RunningRequest] = field(default_factory=list)
+class StepBatch(_Wire, tag=5):
+    step_id: Count
+    new_requests: list[NewRequest] = []
+    running_requests: list[RunningRequest] = []
     # request_id of every request computed this step, in batch order
-    scheduled_request_ids: list[str] = field(default_factory=list)
+    scheduled_request_ids: list[SeqId] = []
     # scheduled_request_ids[i] -> number of tokens it computes this step (>= 1)
-    num_scheduled_tokens: list[int] = field(default_factory=list)
+    num_scheduled_tokens: list[Count] = []
     # requests whose worker state is dropped before this step runs
-    finished_request_ids: list[str] = field(default_factory=list)
+    finished_request_ids: list[SeqId] = []
+
+    def __post_init__(self) -> None:
+        _same_length("StepBatch", self.scheduled_request_ids, self.num_scheduled_tokens,
+                     "scheduled_request_ids and num_scheduled_tokens")
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -86,96 +149,109 @@ class StepBatch:
         )
 
 
-@dataclass
-class TokenLogprobs:
-    """Logprobs of one sampled token, from the raw model distribution."""
+class TokenLogprobs(_Wire):
+    """Logprobs of one sampled token, from the raw model distribution (-inf allowed)."""
 
     logprob: float  # of the sampled token
-    rank: int  # 1 = the most likely token
-    top_token_ids: list[int]  # the top-n alternatives, most likely first
+    rank: Count  # 1 = the most likely token
+    top_token_ids: list[TokenId]  # the top-n alternatives, most likely first
     top_logprobs: list[float]
 
+    def __post_init__(self) -> None:
+        _finite_list("TokenLogprobs.logprob", (self.logprob,), allow_neg_inf=True)
+        _finite_list("TokenLogprobs.top_logprobs", self.top_logprobs, allow_neg_inf=True)
+        _same_length("TokenLogprobs", self.top_token_ids, self.top_logprobs,
+                     "top_token_ids and top_logprobs")
 
-@dataclass
-class StepResult:
-    step_id: int
+
+class StepResult(_Wire, tag=6):
+    step_id: Count
     # requests that sampled a token this step, in batch order
-    request_ids: list[str] = field(default_factory=list)
+    request_ids: list[SeqId] = []
     # request_ids[i] -> the token it sampled
-    sampled_token_ids: list[int] = field(default_factory=list)
-    # request_ids[i] -> logprobs, or None where the request did not ask for them
-    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    sampled_token_ids: list[TokenId] = []
+    # request_ids[i] -> logprobs, or None where the request did not ask for them;
+    # empty when no request of the step asked
+    logprobs: list[TokenLogprobs | None] = []
+
+    def __post_init__(self) -> None:
+        _same_length("StepResult", self.request_ids, self.sampled_token_ids,
+                     "request_ids and sampled_token_ids")
+        if self.logprobs:
+            _same_length("StepResult", self.request_ids, self.logprobs,
+                         "request_ids and logprobs")
+
+
+class WorkerReady(_Wire, tag=7):
+    """Worker -> scheduler at start-up: the KV capacity handshake."""
+
+    rank: Count
+    num_kv_blocks: Count
+    block_size: Count
+    max_model_len: Count
+    vocab_size: Count
+    eos_token_ids: list[TokenId]
 
 
 # -- frontend <-> scheduler ---------------------------------------------------------------
 
 
-@dataclass
-class AddRequest:
+class AddRequest(_Wire, tag=1):
     """A tokenized, validated request from a frontend; the scheduler re-validates it."""
 
-    request_id: str  # unique per frontend; the scheduler scopes it by frontend identity
-    prompt_token_ids: list[int]
+    request_id: Text  # unique per frontend; the scheduler scopes it by frontend identity
+    prompt_token_ids: list[TokenId]
     sampling_params: SamplingParams
     arrival_time: float  # time.time() at the frontend
-    priority: int = 0  # lower runs first; ties in arrival order
+    priority: Int64 = 0  # lower runs first; ties in arrival order
+
+    def __post_init__(self) -> None:
+        _finite("AddRequest.arrival_time", self.arrival_time)
 
     def __repr__(self) -> str:
         return f"AddRequest(id={self.request_id!r}, prompt={len(self.prompt_token_ids)} tokens)"
 
 
-@dataclass
-class AbortRequest:
-    request_ids: list[str]
-    index: int | None = None  # only this sample of each request (a stop string hit it)
+class AbortRequest(_Wire, tag=2):
+    request_ids: list[Text]
+    index: Count | None = None  # only this sample of each request (a stop string hit it)
 
 
-@dataclass
-class RequestOutput:
+class RequestOutput(_Wire):
     """What one sample of a request gained in one step."""
 
-    request_id: str  # the id the frontend gave
-    index: int  # which of the request's n samples
-    new_token_ids: list[int]
+    request_id: Text  # the id the frontend gave
+    index: Count  # which of the request's n samples
+    new_token_ids: list[TokenId]
     # new_token_ids[i] -> logprobs, or None where the request did not ask for them
-    new_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop", "length", "abort"; None while running
-    stop_reason: int | None = None  # the stop token id that ended it, if any
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    new_logprobs: list[TokenLogprobs | None] = []
+    finish_reason: Text | None = None  # "stop", "length", "abort"; None while running
+    stop_reason: TokenId | None = None  # the stop token id that ended it, if any
+    num_prompt_tokens: Count = 0
+    num_cached_tokens: Count = 0  # prompt tokens served from the prefix cache
+
+    def __post_init__(self) -> None:
+        if self.new_logprobs:
+            _same_length("RequestOutput", self.new_token_ids, self.new_logprobs,
+                         "new_token_ids and new_logprobs")
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
 
-@dataclass
-class RequestOutputs:
+class RequestOutputs(_Wire, tag=3):
     """One scheduler step's outputs for one frontend."""
 
-    outputs: list[RequestOutput] = field(default_factory=list)
+    outputs: list[RequestOutput] = []
 
 
-@dataclass
-class RequestError:
+class RequestError(_Wire, tag=4):
     """A request rejected or failed; nothing is held for it any more."""
 
-    request_id: str
-    code: str  # "invalid_request", "too_long", "duplicate_id", "overloaded", "engine_error"
-    message: str
-
-
-# -- worker -> scheduler handshake ----------------------------------------------------------
-
-
-@dataclass
-class WorkerReady:
-    rank: int
-    num_kv_blocks: int
-    block_size: int
-    max_model_len: int
-    vocab_size: int
-    eos_token_ids: list[int]
+    request_id: Text
+    code: Text  # "invalid_request", "too_long", "duplicate_id", "overloaded", "engine_error"
+    message: Text
 
 
 # -- client <-> frontend (the native ZMQ API of pagoda.client) -------------------------------
@@ -183,20 +259,18 @@ class WorkerReady:
 # connection. The frontend tokenizes, applies the chat template and detokenizes.
 
 
-@dataclass
-class ChatMessage:
-    role: str
-    content: str
+class ChatMessage(_Wire):
+    role: Text
+    content: Text
 
 
-@dataclass
-class GenerateRequest:
+class GenerateRequest(_Wire, tag=8):
     """Exactly one of prompt, prompt_token_ids, messages is set."""
 
-    request_id: str
+    request_id: Text
     sampling_params: SamplingParams
-    prompt: str | None = None
-    prompt_token_ids: list[int] | None = None
+    prompt: Text | None = None
+    prompt_token_ids: list[TokenId] | None = None
     messages: list[ChatMessage] | None = None  # rendered through the model's chat template
     stream: bool = True  # deltas as they come; else one GenerateOutput per sample at the end
     add_generation_prompt: bool = True
@@ -205,69 +279,123 @@ class GenerateRequest:
         return f"GenerateRequest(id={self.request_id!r}, stream={self.stream})"
 
 
-@dataclass
-class GenerateOutput:
+class GenerateOutput(_Wire, tag=9):
     """New text of one sample (streaming), or all of it (not streaming)."""
 
-    request_id: str
-    index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop", "length", "abort"
-    stop_reason: str | None = None  # the stop string, or the stop token id as text
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0  # of this sample, so far
-    num_cached_tokens: int = 0
+    request_id: Text
+    index: Count
+    text: Text
+    token_ids: list[TokenId]
+    logprobs: list[TokenLogprobs | None] = []
+    finish_reason: Text | None = None  # "stop", "length", "abort"
+    stop_reason: Text | None = None  # the stop string, or the stop token id as text
+    num_prompt_tokens: Count = 0
+    num_output_tokens: Count = 0  # of this sample, so far
+    num_cached_tokens: Count = 0
 
 
 # -- scheduler <-> frontends: liveness and the authoritative engine figures -------------------
 
 
-@dataclass
-class Heartbeat:
+class Heartbeat(_Wire, tag=10):
     """Frontend -> scheduler, about once a second; answered with EngineStats."""
 
-    frontend_id: str
+    frontend_id: Text
 
 
-@dataclass
-class Histogram:
+class Histogram(_Wire):
     """Prometheus-style: counts per bucket (upper bounds ascending, then +Inf)."""
 
     bounds: list[float]
-    counts: list[int]  # len(bounds) + 1, not cumulative
+    counts: list[Count]  # len(bounds) + 1, not cumulative
     total: float  # sum of the observations
-    count: int
+    count: Count
+
+    def __post_init__(self) -> None:
+        _finite_list("Histogram.bounds", self.bounds)
+        _finite("Histogram.total", self.total)
 
 
-@dataclass
-class MalformedCount:
-    socket: str
-    reason: str
-    count: int
+class MalformedCount(_Wire):
+    socket: Text
+    reason: Text
+    count: Count
 
 
-@dataclass
-class EngineStats:
+class EngineStats(_Wire, tag=11):
     """Scheduler -> every frontend: the figures only the scheduler knows, so each
     frontend's /metrics shows the same, complete numbers however many there are."""
 
-    running: int
-    waiting: int
+    running: Count
+    waiting: Count
     kv_usage: float  # fraction of the KV block pool held
-    num_kv_blocks: int
-    prefix_cache_queries: int  # prompt tokens looked up (counter)
-    prefix_cache_hits: int  # of those, found (counter)
-    num_preemptions: int  # counter
-    prompt_tokens: int  # counter, prompts of finished requests
-    generation_tokens: int  # counter
-    finished_stop: int  # requests (samples) by finish reason, counters
-    finished_length: int
-    finished_abort: int
+    num_kv_blocks: Count
+    prefix_cache_queries: Count  # prompt tokens looked up (counter)
+    prefix_cache_hits: Count  # of those, found (counter)
+    num_preemptions: Count  # counter
+    prompt_tokens: Count  # counter, prompts of finished requests
+    generation_tokens: Count  # counter
+    finished_stop: Count  # requests (samples) by finish reason, counters
+    finished_length: Count
+    finished_abort: Count
     time_to_first_token: Histogram  # seconds, from the frontend's arrival time
     inter_token_latency: Histogram  # seconds between tokens of one sample
     e2e_latency: Histogram  # seconds, arrival to finish
     queue_time: Histogram  # seconds, arrival to first scheduled
-    invariant_failures: int
-    malformed_frames: list[MalformedCount] = field(default_factory=list)
+    invariant_failures: Count
+    malformed_frames: list[MalformedCount] = []
+
+    def __post_init__(self) -> None:
+        _finite("EngineStats.kv_usage", self.kv_usage)
+
+
+# -- links: one tagged union and one decoder per socket direction ----------------------------
+
+FrontendToScheduler = AddRequest | AbortRequest | Heartbeat
+SchedulerToFrontend = RequestOutputs | RequestError | EngineStats
+SchedulerToWorker = StepBatch
+WorkerToScheduler = WorkerReady | StepResult
+ClientToFrontend = GenerateRequest | AbortRequest
+FrontendToClient = GenerateOutput | RequestError
+AnyMessage = (
+    AddRequest | AbortRequest | RequestOutputs | RequestError | StepBatch | StepResult
+    | WorkerReady | GenerateRequest | GenerateOutput | Heartbeat | EngineStats
+)
+# every top-level message type, in tag order
+MESSAGE_TYPES: tuple[type[_Wire], ...] = tuple(
+    sorted(get_args(AnyMessage), key=lambda cls: cast(int, cls.__struct_config__.tag))
+)
+
+
+class Link:
+    """The messages one socket direction accepts, and the decoder that checks them.
+
+    The decoder reads the whole frame envelope, ``[WIRE_VERSION, [tag, *fields]]``, in
+    one typed pass: a version other than ours, a tag outside this union or a field of
+    the wrong type or range is a ``msgspec.ValidationError``. ``name`` is the socket
+    name its dropped frames are counted under (the endpoint, or the client).
+    """
+
+    __slots__ = ("decoder", "name", "types")
+
+    def __init__(self, name: str, union: Any) -> None:
+        self.name = name
+        self.types: tuple[type[_Wire], ...] = get_args(union) or (union,)
+        envelope = tuple[Literal[WIRE_VERSION], union]  # type: ignore[valid-type]
+        self.decoder = msgspec.msgpack.Decoder(envelope)
+
+    def __repr__(self) -> str:
+        return f"Link({self.name}: {' | '.join(t.__name__ for t in self.types)})"
+
+
+FRONTEND_TO_SCHEDULER = Link("scheduler_frontend", FrontendToScheduler)
+SCHEDULER_TO_FRONTEND = Link("scheduler_frontend", SchedulerToFrontend)
+SCHEDULER_TO_WORKER = Link("worker_step", SchedulerToWorker)
+WORKER_TO_SCHEDULER = Link("scheduler_result", WorkerToScheduler)
+CLIENT_TO_FRONTEND = Link("frontend_native", ClientToFrontend)
+FRONTEND_TO_CLIENT = Link("client", FrontendToClient)
+ANY_MESSAGE = Link("any", AnyMessage)  # tests and tools; a socket decodes with its own link
+LINKS: tuple[Link, ...] = (
+    FRONTEND_TO_SCHEDULER, SCHEDULER_TO_FRONTEND, SCHEDULER_TO_WORKER, WORKER_TO_SCHEDULER,
+    CLIENT_TO_FRONTEND, FRONTEND_TO_CLIENT,
+)

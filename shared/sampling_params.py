@@ -12,13 +12,20 @@ follow OpenAI / vLLM so that users of those engines get what they expect:
   output so far; ``frequency_penalty`` subtracts it times the token's output count.
 - ``logprobs = k`` returns the sampled token's logprob and the top-k alternatives
   (from the raw model distribution, before penalties and temperature).
+
+``SamplingParams`` is a ``msgspec.Struct`` nested in ``AddRequest``, ``NewRequest`` and
+``GenerateRequest`` (``shared/protocol.py``): an array of its fields in declaration order
+on the wire, so new fields go last with a default. ``__post_init__`` validates, both
+when code builds one and when a frame is decoded into one. Copy with a change through
+``msgspec.structs.replace(params, ...)`` (which validates again).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
 from typing import Any
+
+import msgspec
 
 MAX_N = 128
 MAX_LOGPROBS = 20
@@ -48,8 +55,9 @@ def _integer(name: str, value: Any) -> int:
     return value
 
 
-@dataclass
-class SamplingParams:
+class SamplingParams(
+    msgspec.Struct, array_like=True, omit_defaults=True, gc=False, forbid_unknown_fields=True
+):
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
@@ -59,8 +67,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = []  # a single str is accepted by the constructor
+    stop_token_ids: list[int] = []
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     max_tokens: int | None = 16
@@ -157,11 +165,13 @@ class SamplingParams:
         return self.top_k > 0
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = msgspec.structs.asdict(self)
+        data["stop"], data["stop_token_ids"] = list(self.stop), list(self.stop_token_ids)
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
-        unknown = set(data) - set(cls.__dataclass_fields__)
+        unknown = set(data) - set(cls.__struct_fields__)
         if unknown:
-            raise SamplingParamsError(sorted(unknown)[0], "unknown sampling parameter")
+            raise SamplingParamsError(min(unknown), "unknown sampling parameter")
         return cls(**data)

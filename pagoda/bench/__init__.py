@@ -7,5 +7,6 @@ Modules, one job each: ``workload`` (the requests: seeded synthetic or a JSONL f
 server over HTTP or ZMQ, /metrics scraped), ``launch`` (a local stack for the run),
 ``baseline_hf`` (HF ``generate``: one at a time and static batches), ``roofline``
 (measured FLOP/s and bandwidth -> the decode ceiling), ``report`` (JSON, text, PNG),
-``cli`` (the command line).
+``cli`` (the command line). ``wire`` stands apart: the ZMQ codec's frame bytes and
+encode/decode time per message (``python -m pagoda.bench.wire``).
 """

@@ -22,13 +22,19 @@ from pathlib import Path
 from typing import Any
 
 from pagoda.bench.workload import LengthDist, Workload, load_jsonl, make_workload
-from shared.config import DTYPES
+from shared.config import (
+    DTYPES,
+    SETTINGS,
+    ConfigError,
+    EngineSettings,
+    add_arguments,
+    engine_settings,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pagoda bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2", help="smollm2 or a local HF directory")
     w = p.add_argument_group("workload")
     w.add_argument("--num-requests", type=int, default=64)
     w.add_argument("--prompt-len", type=LengthDist.parse, default=LengthDist(32, 512),
@@ -50,19 +56,16 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--request-rate", type=float, default=float("inf"),
                    help="Poisson arrivals per second (seeded); inf = all at once")
     a.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
-    e = p.add_argument_group("engine (offline and --launch)")
-    e.add_argument("--max-num-seqs", type=int, default=None)
-    e.add_argument("--max-num-batched-tokens", type=int, default=None)
-    e.add_argument("--kv-cache-bytes", type=int, default=None)
-    e.add_argument("--dtype", choices=DTYPES, default="auto",
-                   help="auto: bfloat16 on CUDA and on CPUs with native bf16, else float32")
+    # the engine settings, as every role declares them (offline and --launch; only the
+    # flags count here, not PAGODA_* variables: a run is defined by its command line)
+    add_arguments(p, groups=("engine",))
     c = p.add_argument_group("comparisons and output")
     c.add_argument("--baseline", choices=("hf",), default=None, help="HF transformers generate, same requests")
     c.add_argument("--hf-batch-sizes", default="1,8,16,32,64", help="1 = one request at a time")
     c.add_argument("--hf-dtypes", default="auto",
                    help="comma-separated; auto: float32 and the dtype pagoda computes in")
-    c.add_argument("--roofline", action="store_true", help="measure FLOP/s and bandwidth; print the fraction")
-    c.add_argument("--device", default="cpu", help="device of the roofline measurement")
+    c.add_argument("--roofline", action="store_true",
+                   help="measure FLOP/s and bandwidth on the engine's --device; print the fraction")
     c.add_argument("--output-json", default=None)
     c.add_argument("--output-png", default=None)
     c.add_argument("--no-progress", action="store_true")
@@ -80,8 +83,23 @@ def _mode(args: argparse.Namespace) -> str:
 
 
 def _engine_settings(args: argparse.Namespace) -> dict[str, Any]:
-    keys = ("max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes", "dtype")
-    return {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
+    """The engine settings given as flags (the model apart), as ``LLM`` and ``pagoda
+    serve`` name them."""
+    return {s.key: getattr(args, s.key) for s in SETTINGS
+            if s.group == "engine" and s.key != "model" and getattr(args, s.key) is not None}
+
+
+def _settings(args: argparse.Namespace) -> EngineSettings:
+    """The whole engine configuration of the run (validated: a bad value fails first)."""
+    model = {"model": args.model} if args.model is not None else {}
+    return engine_settings({**model, **_engine_settings(args)}, caller="pagoda bench")
+
+
+def engine_device(args: argparse.Namespace) -> str:
+    """The engine's device (``auto`` resolved as the worker resolves it)."""
+    from services.worker.runner_builder import resolve_device
+
+    return str(resolve_device(_settings(args).device))
 
 
 def engine_dtype(args: argparse.Namespace) -> str:
@@ -90,7 +108,7 @@ def engine_dtype(args: argparse.Namespace) -> str:
 
     from services.worker.runner_builder import resolve_dtype_name
 
-    return resolve_dtype_name(args.dtype, torch.device(args.device))
+    return resolve_dtype_name(_settings(args).dtype, torch.device(engine_device(args)))
 
 
 def _hf_dtypes(args: argparse.Namespace, engine: str) -> tuple[str, ...]:
@@ -125,13 +143,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from pagoda.model_fetch import resolve_model
 
     mode, progress = _mode(args), not args.no_progress
-    model_dir = resolve_model(args.model)
+    model_dir = resolve_model(_settings(args).model)
     dtype = engine_dtype(args)
     roofline_machine = None
     if args.roofline:  # measured first, on an idle machine
         from pagoda.bench.roofline import measure_machine
 
-        roofline_machine = measure_machine(args.device, dtype)
+        roofline_machine = measure_machine(engine_device(args), dtype)
     if mode == "offline":
         from pagoda.bench.runner_offline import run_offline, warm_up
         from pagoda.llm import LLM
@@ -152,7 +170,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         hf = run_hf_baseline(str(model_dir), work, [int(x) for x in args.hf_batch_sizes.split(",")],
                              progress, _hf_dtypes(args, dtype))
     config = {
-        "model": args.model, "model_dir": str(model_dir), "mode": mode,
+        "model": _settings(args).model, "model_dir": str(model_dir), "mode": mode,
         "launch": bool(args.launch), "num_requests": len(work),
         "prompt_len": None if args.dataset else str(args.prompt_len),
         "output_len": str(args.output_len), "dataset": args.dataset, "seed": args.seed,
@@ -195,6 +213,11 @@ def _run_online(args: argparse.Namespace, mode: str, model_dir: str, work: Workl
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        _settings(args)
+    except ConfigError as e:
+        print(f"pagoda bench: {e}", file=sys.stderr)
+        return 2
     from pagoda.bench.report import format_text, write_json, write_png
 
     report = run(args)

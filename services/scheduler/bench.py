@@ -29,6 +29,7 @@ import time
 from pagoda.bench.baseline_hf import bench_hf_static
 from pagoda.bench.workload import Workload, make_workload
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
+from shared.config import EngineSettings
 from shared.protocol import StepBatch, StepResult
 from shared.sampling_params import SamplingParams
 
@@ -61,10 +62,10 @@ def bench_step(num_running: int, steps: int, seed: int = 0) -> float:
     prompts = [[rng.randrange(10, 30000) for _ in range(rng.randint(1, 4096))] for _ in range(num_running)]
     block_size = 16
     num_blocks = sum(len(p) // block_size + steps // block_size + 3 for p in prompts)
-    sched = Scheduler(SchedulerConfig(
-        num_blocks=num_blocks, block_size=block_size, max_num_seqs=num_running,
-        max_num_batched_tokens=1 << 20, max_model_len=8192, vocab_size=32000,
-    ))
+    settings = EngineSettings(block_size=block_size, max_num_seqs=num_running,
+                              max_num_batched_tokens=1 << 20)
+    sched = Scheduler(SchedulerConfig.from_settings(
+        settings, num_blocks=num_blocks, max_model_len=8192, vocab_size=32000))
     params = SamplingParams(temperature=0.0, max_tokens=steps + 10, ignore_eos=True)
     for i, p in enumerate(prompts):
         sched.add_request(str(i), p, params)
@@ -90,11 +91,13 @@ def bench_step(num_running: int, steps: int, seed: int = 0) -> float:
     return statistics.median(times)
 
 
-def bench_llm_outputs(model: str, work: Workload) -> tuple[float, list[list[int]]]:
+def bench_llm_outputs(settings: EngineSettings, work: Workload) -> tuple[float, list[list[int]]]:
     """Output tokens per second of LLM.generate on the workload, and the tokens."""
+    from dataclasses import asdict
+
     from pagoda.llm import LLM
 
-    llm = LLM(model)
+    llm = LLM(**asdict(settings))
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in work.output_lens]
     llm.generate(work.prompts[:2], params[:2], use_tqdm=False)  # warm-up
     t0 = time.perf_counter()
@@ -106,7 +109,7 @@ def bench_llm_outputs(model: str, work: Workload) -> tuple[float, list[list[int]
 
 
 def bench_llm(model: str, work: Workload) -> float:
-    return bench_llm_outputs(model, work)[0]
+    return bench_llm_outputs(EngineSettings(model=model), work)[0]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -29,7 +29,7 @@ Invariants (``check_invariants``):
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 
@@ -68,7 +68,7 @@ class BlockManager:
         # block_id -> None; front = next to hand out (LRU order among cached blocks)
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[int, int] = {}  # block hash -> block_id
-        self.seqs: dict[str, _SeqBlocks] = {}
+        self.seqs: dict[Hashable, _SeqBlocks] = {}
 
     # -- queries ---------------------------------------------------------------------
     @property
@@ -84,10 +84,10 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def block_ids(self, seq_id: str) -> list[int]:
+    def block_ids(self, seq_id: Hashable) -> list[int]:
         return self.seqs[seq_id].block_ids
 
-    def holds(self, seq_id: str) -> bool:
+    def holds(self, seq_id: Hashable) -> bool:
         return seq_id in self.seqs
 
     def find_cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
@@ -119,7 +119,7 @@ class BlockManager:
         fresh = self.blocks_needed(num_tokens) - len(shared_block_ids)
         return fresh <= len(self.free_queue) - reclaimed
 
-    def allocate(self, seq_id: str, shared_block_ids: Sequence[int], num_tokens: int) -> list[int] | None:
+    def allocate(self, seq_id: Hashable, shared_block_ids: Sequence[int], num_tokens: int) -> list[int] | None:
         """Give a new sequence the shared blocks plus fresh ones up to num_tokens tokens.
 
         Returns its whole block table, or None (nothing changed) when the pool is short.
@@ -135,7 +135,7 @@ class BlockManager:
         seq.block_ids.extend(self._pop_free() for _ in range(self.blocks_needed(num_tokens) - len(seq.block_ids)))
         return seq.block_ids
 
-    def append_slots(self, seq_id: str, num_tokens: int) -> list[int] | None:
+    def append_slots(self, seq_id: Hashable, num_tokens: int) -> list[int] | None:
         """Grow a sequence's table to hold num_tokens tokens.
 
         Returns the newly added block ids (often none), or None when the pool is short.
@@ -150,7 +150,7 @@ class BlockManager:
         seq.block_ids.extend(new)
         return new
 
-    def cache_full_blocks(self, seq_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+    def cache_full_blocks(self, seq_id: Hashable, token_ids: Sequence[int], num_computed_tokens: int) -> None:
         """Hash the sequence's blocks that are full and computed; register new ones."""
         if not self.enable_prefix_caching:
             return
@@ -170,7 +170,7 @@ class BlockManager:
         if num_full > seq.num_hashed:
             seq.num_hashed, seq.last_hash = num_full, parent
 
-    def free(self, seq_id: str) -> None:
+    def free(self, seq_id: Hashable) -> None:
         """Release every block of the sequence, tail first."""
         seq = self.seqs.pop(seq_id, None)
         if seq is None:

@@ -1,9 +1,10 @@
 """The scheduler process: ``python -m services.scheduler.main [flags / PAGODA_* env]``.
 
-Binds its three sockets, waits for every worker's ready handshake, reports ready to
-its parent (``--ready-fd``, used by ``pagoda serve``), then runs the step loop of
-``services/scheduler/server.py`` until SIGTERM/SIGINT. On shutdown every request
-still held is answered with a typed error, so no client waits forever.
+Binds its three sockets, waits for every worker's ready handshake and builds the
+scheduler core from it (``handshake.py``), reports ready to its parent (``--ready-fd``,
+used by ``pagoda serve``), then runs the step loop (``loop.py``) until SIGTERM/SIGINT.
+On shutdown every request still held is answered with a typed error, so no client
+waits forever; when the engine dies the process exits 1.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import signal
 import sys
 import threading
 
-from services.scheduler.server import EngineDeadError, SchedulerServer
+from services.scheduler.handshake import EngineDeadError, SchedulerSockets, wait_for_workers
+from services.scheduler.loop import SchedulerLoop
+from shared.codec import MalformedFrameCounter
 from shared.config import add_arguments, load_config
 from shared.ipc import report_ready
 
@@ -31,10 +34,11 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    server = SchedulerServer(config, stop)
+    counter = MalformedFrameCounter(log)
+    sockets = SchedulerSockets.bind(config)
     try:
         try:
-            sched = server.wait_for_workers(config.process.startup_timeout_s)
+            sched = wait_for_workers(sockets, config, counter, stop)
         except EngineDeadError as e:
             log.error("start-up failed: %s", e)
             return 1
@@ -43,9 +47,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.ready_fd is not None:
             report_ready(args.ready_fd, role="scheduler", num_kv_blocks=sched.config.num_blocks,
                          max_model_len=sched.config.max_model_len)
-        return server.run()
+        return SchedulerLoop(sched, sockets, config, counter, stop).run()
     finally:
-        server.close()
+        sockets.close()
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
 """The scheduler's request-level figures: latency histograms and token/request counters.
 
-The scheduler process feeds it every step (which sequences were first scheduled,
-which outputs came back) and every abort; ``snapshot`` turns it, together with the
-scheduler core's own statistics, into the ``EngineStats`` message every frontend
-receives. Keeping these figures here, not in the frontends, makes every frontend's
-/metrics complete however many frontends share the HTTP port.
+The scheduler core owns one ``EngineMetrics`` and feeds it at the moments that define
+each figure (a sequence first scheduled, a token appended, a sequence finished); the
+timestamps themselves live on the ``Request``. ``snapshot`` turns the figures, with the
+core's own statistics, into the ``EngineStats`` message every frontend receives, so
+every frontend's /metrics is complete however many frontends share the HTTP port.
 
 Times are wall-clock seconds (``time.time()``), because a request's arrival time is
 stamped by its frontend, possibly in another process.
@@ -15,10 +15,9 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from services.scheduler.request import request_id_of, seq_id_of
-from services.scheduler.scheduler import SchedulerStats
+from services.scheduler.request import FINISH_REASONS, Request, RequestStatus
 from shared.codec import MalformedFrameCounter
-from shared.protocol import EngineStats, Histogram, MalformedCount, RequestOutput, StepBatch
+from shared.protocol import EngineStats, Histogram, MalformedCount
 
 # vLLM's bucket choices (seconds), so dashboards built for it read ours the same way
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -27,6 +26,18 @@ ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
 REQUEST_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                    50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+
+
+@dataclass
+class SchedulerStats:
+    running: int  # sequences
+    waiting: int  # sequences, preempted ones included
+    kv_usage: float  # fraction of the block pool held
+    num_kv_blocks: int
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # of those, tokens found
+    num_preemptions: int
+    invariant_failures: int
 
 
 @dataclass
@@ -49,15 +60,9 @@ class HistogramAccumulator:
         return Histogram(list(self.bounds), list(self.counts), self.total, self.count)
 
 
-@dataclass
-class _Timing:
-    arrival: float
-    num_prompt_tokens: int
-    last_token: dict[int, float] = field(default_factory=dict)  # sample index -> time
-    num_open_samples: int = 1
-
-
 class EngineMetrics:
+    """Histograms and counters only; the scheduler core calls the ``on_*`` hooks."""
+
     def __init__(self) -> None:
         self.ttft = HistogramAccumulator(TTFT_BUCKETS)
         self.itl = HistogramAccumulator(ITL_BUCKETS)
@@ -65,50 +70,30 @@ class EngineMetrics:
         self.queue = HistogramAccumulator(REQUEST_BUCKETS)
         self.prompt_tokens = 0
         self.generation_tokens = 0
-        self.finished = {"stop": 0, "length": 0, "abort": 0}
-        self._timings: dict[str, _Timing] = {}  # scheduler request id -> timing
-        self._queued: set[str] = set()  # seq ids not yet scheduled once
+        self.finished = {reason: 0 for reason in FINISH_REASONS.values()}
 
-    def on_add(self, request_id: str, seq_ids: list[str], arrival: float, num_prompt_tokens: int) -> None:
-        self._timings[request_id] = _Timing(arrival, num_prompt_tokens, num_open_samples=len(seq_ids))
-        self._queued.update(seq_ids)
+    def on_first_scheduled(self, req: Request, now: float) -> None:
+        self.queue.observe(now - req.arrival_time)
 
-    def on_step(self, batch: StepBatch, now: float) -> None:
-        for new in batch.new_requests:
-            if new.request_id in self._queued:
-                self._queued.discard(new.request_id)
-                timing = self._timings.get(request_id_of(new.request_id))
-                if timing is not None:
-                    self.queue.observe(now - timing.arrival)
+    def on_token(self, req: Request, now: float) -> None:
+        """Before ``req``'s token timestamps are moved to ``now``."""
+        if req.last_token_time is None:
+            self.ttft.observe(now - req.arrival_time)
+        else:
+            self.itl.observe(now - req.last_token_time)
+        self.generation_tokens += 1
 
-    def on_outputs(self, outputs: list[RequestOutput], now: float) -> None:
-        """Outputs as the scheduler core returned them (scheduler request ids)."""
-        for out in outputs:
-            timing = self._timings.get(out.request_id)
-            if timing is None:
-                continue
-            if out.new_token_ids:
-                last = timing.last_token.get(out.index)
-                if last is None:
-                    self.ttft.observe(now - timing.arrival)
-                else:
-                    self.itl.observe(now - last)
-                timing.last_token[out.index] = now
-                self.generation_tokens += len(out.new_token_ids)
-            if out.finish_reason is not None:
-                self.finished[out.finish_reason] = self.finished.get(out.finish_reason, 0) + 1
-                self.e2e.observe(now - timing.arrival)
-                timing.num_open_samples -= 1
-                if out.new_token_ids == [] and out.index not in timing.last_token:
-                    self._queued.discard(seq_id_of(out.request_id, out.index))  # never ran
-                if timing.num_open_samples <= 0:
-                    self.prompt_tokens += timing.num_prompt_tokens
-                    del self._timings[out.request_id]
+    def on_finished(self, req: Request, now: float, last_of_request: bool) -> None:
+        reason = FINISH_REASONS[RequestStatus(req.status)]
+        self.finished[reason] += 1
+        self.e2e.observe(now - req.arrival_time)
+        if last_of_request:  # a prompt counts once, however many samples share it
+            self.prompt_tokens += req.num_prompt_tokens
 
-    def snapshot(self, stats: SchedulerStats, num_kv_blocks: int, counter: MalformedFrameCounter) -> EngineStats:
+    def snapshot(self, stats: SchedulerStats, counter: MalformedFrameCounter) -> EngineStats:
         return EngineStats(
             running=stats.running, waiting=stats.waiting, kv_usage=stats.kv_usage,
-            num_kv_blocks=num_kv_blocks, prefix_cache_queries=stats.prefix_cache_queries,
+            num_kv_blocks=stats.num_kv_blocks, prefix_cache_queries=stats.prefix_cache_queries,
             prefix_cache_hits=stats.prefix_cache_hits, num_preemptions=stats.num_preemptions,
             prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens,
             finished_stop=self.finished["stop"], finished_length=self.finished["length"],

@@ -2,14 +2,19 @@
 
 A request with ``n > 1`` becomes ``n`` sequences (children) sharing the parent's
 ``request_id`` with ``index`` 0..n-1; each child is scheduled on its own and is
-known to the workers by ``seq_id``. Child 0 computes the prompt; the others start
-once it has, sharing its full prompt blocks (see ``Scheduler``).
+known to the workers by ``seq_id``, a small int the scheduler mints (the worker link
+never carries the frontends' request ids). Child 0 computes the prompt; the others
+start once it has, sharing its full prompt blocks (see ``Scheduler``).
+
+Each sequence carries its own timestamps (wall-clock seconds, ``time.time()``, since
+the arrival time is stamped by the frontend's process): the latency histograms of
+``services/scheduler/metrics.py`` are observed from them.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from shared.sampling_params import SamplingParams
 
@@ -35,14 +40,6 @@ FINISH_REASONS = {
 }
 
 
-def seq_id_of(request_id: str, index: int) -> str:
-    return f"{request_id}-{index}"
-
-
-def request_id_of(seq_id: str) -> str:
-    return seq_id.rsplit("-", 1)[0]
-
-
 @dataclass(eq=False)
 class Request:
     request_id: str
@@ -55,17 +52,17 @@ class Request:
     order_key: tuple[int, int]
     max_tokens: int  # resolved: params.max_tokens, or what max_model_len leaves
     stop_ids: frozenset[int]  # EOS (unless ignore_eos) and stop_token_ids
-    seq_id: str = ""
+    seq_id: int = -1  # minted by the scheduler when the sequence is created
+    arrival_time: float = 0.0  # stamped by the frontend
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     on_worker: bool = False  # the workers hold its state (sent as a NewRequest)
     stop_reason: int | None = None
     num_preemptions: int = 0
-    first_admitted: bool = field(default=False, repr=False)
-
-    def __post_init__(self) -> None:
-        self.seq_id = seq_id_of(self.request_id, self.index)
 
     @property
     def num_tokens(self) -> int:

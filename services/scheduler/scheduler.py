@@ -21,15 +21,22 @@ finished sequences' blocks in the same step, and returns per-sequence outputs.
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import itertools
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import msgspec
 
 from services.scheduler.block_manager import BlockManager
+from services.scheduler.metrics import EngineMetrics, SchedulerStats
 from services.scheduler.request import FINISH_REASONS, Request, RequestStatus
 from shared.protocol import NewRequest, RequestOutput, RunningRequest, StepBatch, StepResult
 from shared.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from shared.config import EngineSettings
 
 _MASK64 = (1 << 64) - 1
 
@@ -60,29 +67,36 @@ class SchedulerConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
-
-@dataclass
-class SchedulerStats:
-    running: int  # sequences
-    waiting: int  # sequences, preempted ones included
-    kv_usage: float  # fraction of the block pool held
-    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
-    prefix_cache_hits: int  # of those, tokens found
-    num_preemptions: int
-    invariant_failures: int
+    @classmethod
+    def from_settings(
+        cls, engine: EngineSettings, *, num_blocks: int, max_model_len: int, vocab_size: int,
+        eos_token_ids: Iterable[int] = (), strict_invariants: bool = False,
+    ) -> SchedulerConfig:
+        """The one place the scheduler's config is derived: the engine settings, plus what
+        the workers report (KV pool size, max_model_len, vocab, EOS ids; the smallest over
+        the ranks) and whether a broken invariant is fatal (``ProcessSettings.testing``)."""
+        return cls(
+            num_blocks=num_blocks, block_size=engine.block_size, max_num_seqs=engine.max_num_seqs,
+            max_num_batched_tokens=engine.max_num_batched_tokens, max_model_len=max_model_len,
+            vocab_size=vocab_size, enable_prefix_caching=engine.enable_prefix_caching,
+            eos_token_ids=tuple(eos_token_ids), strict_invariants=strict_invariants,
+        )
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, clock: Callable[[], float] = time.time) -> None:
         self.config = config
+        self.clock = clock  # wall-clock seconds, as the frontends' arrival times
+        self.metrics = EngineMetrics()
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.requests: dict[str, list[Request]] = {}  # request_id -> its children
         self.running: list[Request] = []  # sorted by order_key: oldest first
         self.waiting: list[Request] = []  # sorted by order_key
         self._arrivals = itertools.count()
         self._step_ids = itertools.count()
+        self._seq_ids = itertools.count()  # the worker link's compact sequence ids
         # seq ids whose worker state must be dropped in the next step
-        self._dropped_seq_ids: list[str] = []
+        self._dropped_seq_ids: list[int] = []
         self._prefix_queries = 0
         self._prefix_hits = 0
         self._num_preemptions = 0
@@ -92,10 +106,15 @@ class Scheduler:
 
     # -- requests in and out ---------------------------------------------------------
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+        priority: int = 0, arrival_time: float | None = None,
     ) -> None:
-        """Validate and queue a request; raises RequestRejected with nothing allocated."""
+        """Validate and queue a request; raises RequestRejected with nothing allocated.
+
+        ``arrival_time`` (wall clock) is when the client's request arrived; default now.
+        """
         self._validate(request_id, prompt_token_ids, params)
+        arrival = self.clock() if arrival_time is None else arrival_time
         prompt_len = len(prompt_token_ids)
         max_tokens = self.config.max_model_len - prompt_len
         if params.max_tokens is not None:
@@ -110,11 +129,12 @@ class Scheduler:
             if params.n > 1:
                 # each child its own stream; seed + index keeps n > 1 reproducible (as vLLM)
                 seed = None if params.seed is None else _wrap_i64(params.seed + index)
-                child_params = dataclasses.replace(params, n=1, seed=seed)
+                child_params = msgspec.structs.replace(params, n=1, seed=seed)
             children.append(Request(
                 request_id=request_id, index=index, token_ids=list(prompt_token_ids),
                 num_prompt_tokens=prompt_len, sampling_params=child_params, order_key=order_key,
-                max_tokens=max_tokens, stop_ids=stop_ids,
+                max_tokens=max_tokens, stop_ids=stop_ids, seq_id=next(self._seq_ids),
+                arrival_time=arrival,
             ))
         self.requests[request_id] = children
         for child in children:
@@ -172,17 +192,22 @@ class Scheduler:
 
     # -- one step --------------------------------------------------------------------
     def schedule(self) -> StepBatch:
-        batch = StepBatch(step_id=next(self._step_ids))
+        """One step. ``scheduled_request_ids`` is in the order the runner executes:
+        every one-token sequence (decodes, and a last prompt token) first, then the
+        multi-token chunks, so workers neither re-sort the batch nor the results."""
         # seq_id -> (request, tokens this step, blocks added this step)
-        scheduled: dict[str, tuple[Request, int, list[int]]] = {}
+        scheduled: dict[int, tuple[Request, int, list[int]]] = {}
         preemptions_before = self._num_preemptions
         budget = self._schedule_running(scheduled, self.config.max_num_batched_tokens)
         # after a preemption the pool is short: admitting now would only churn
         admitted = set() if self._num_preemptions > preemptions_before else self._schedule_waiting(scheduled, budget)
-        batch.finished_request_ids, self._dropped_seq_ids = self._dropped_seq_ids, []
+        new_requests: list[NewRequest] = []
+        running_requests: list[RunningRequest] = []
+        singles: list[tuple[int, int]] = []
+        chunks: list[tuple[int, int]] = []
         for req, n, new_blocks in scheduled.values():
             if req in admitted:
-                batch.new_requests.append(NewRequest(
+                new_requests.append(NewRequest(
                     request_id=req.seq_id, token_ids=list(req.token_ids),
                     num_prompt_tokens=req.num_prompt_tokens, sampling_params=req.sampling_params,
                     block_ids=list(self.block_manager.block_ids(req.seq_id)),
@@ -191,14 +216,22 @@ class Scheduler:
                 req.on_worker = True
             elif new_blocks:
                 # running sequences without new blocks need no delta entry at all
-                batch.running_requests.append(RunningRequest(req.seq_id, new_blocks))
-            batch.scheduled_request_ids.append(req.seq_id)
-            batch.num_scheduled_tokens.append(n)
+                running_requests.append(RunningRequest(req.seq_id, new_blocks))
+            (singles if n == 1 else chunks).append((req.seq_id, n))
+        order = singles + chunks
+        batch = StepBatch(
+            step_id=next(self._step_ids), new_requests=new_requests,
+            running_requests=running_requests,
+            scheduled_request_ids=[seq_id for seq_id, _ in order],
+            num_scheduled_tokens=[n for _, n in order],
+            finished_request_ids=self._dropped_seq_ids,
+        )
+        self._dropped_seq_ids = []
         if not self.running and not self.waiting:
             self.check_invariants_on_idle()
         return batch
 
-    def _schedule_running(self, scheduled: dict[str, tuple[Request, int, list[int]]], budget: int) -> int:
+    def _schedule_running(self, scheduled: dict[int, tuple[Request, int, list[int]]], budget: int) -> int:
         # decodes first so a long prefill never starves them; then prompt chunks, oldest first
         decodes: list[Request] = []
         prefills: list[Request] = []
@@ -220,7 +253,7 @@ class Scheduler:
         return self.config.max_num_batched_tokens - sum(n for _, n, _ in scheduled.values())
 
     def _grow_or_preempt(
-        self, req: Request, n: int, scheduled: dict[str, tuple[Request, int, list[int]]]
+        self, req: Request, n: int, scheduled: dict[int, tuple[Request, int, list[int]]]
     ) -> list[int] | None:
         """Blocks for n more tokens of req, preempting newer sequences while short."""
         bm = self.block_manager
@@ -256,7 +289,7 @@ class Scheduler:
         self._num_preemptions += 1
         bisect.insort(self.waiting, req, key=_order)
 
-    def _schedule_waiting(self, scheduled: dict[str, tuple[Request, int, list[int]]], budget: int) -> set[Request]:
+    def _schedule_waiting(self, scheduled: dict[int, tuple[Request, int, list[int]]], budget: int) -> set[Request]:
         admitted: set[Request] = set()
         cap = self.config.max_num_seqs
         i = 0
@@ -279,9 +312,10 @@ class Scheduler:
                 break  # arrival order: nobody overtakes a request that does not fit
             del self.waiting[i]
             req.num_computed_tokens = num_computed
-            if not req.first_admitted:
-                req.first_admitted = True
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now = self.clock()
                 req.num_cached_tokens = num_computed
+                self.metrics.on_first_scheduled(req, now)
             req.status = RequestStatus.RUNNING
             bisect.insort(self.running, req, key=_order)
             scheduled[req.seq_id] = (req, n, [])
@@ -314,6 +348,8 @@ class Scheduler:
         """Apply one executed step; outputs for every sequence that sampled or ended."""
         outputs, self._ceiling_outputs = self._ceiling_outputs, []
         live = {req.seq_id: req for req in self.running}
+        now = self.clock()
+        metrics = self.metrics
         bm = self.block_manager
         block_size = self.config.block_size
         for seq_id, n in zip(batch.scheduled_request_ids, batch.num_scheduled_tokens):
@@ -324,11 +360,17 @@ class Scheduler:
             if n > 1 or req.num_computed_tokens % block_size == 0:  # a block may have filled
                 bm.cache_full_blocks(seq_id, req.token_ids, req.num_computed_tokens)
         max_model_len = self.config.max_model_len
-        for seq_id, token, logprobs in zip(result.request_ids, result.sampled_token_ids, result.logprobs):
+        # logprobs may be empty when no sequence of the step asked for them
+        all_logprobs = result.logprobs or itertools.repeat(None)
+        for seq_id, token, logprobs in zip(result.request_ids, result.sampled_token_ids, all_logprobs):
             req = live.get(seq_id)
             if req is None:
                 continue
             req.token_ids.append(token)
+            metrics.on_token(req, now)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            req.last_token_time = now
             status = req.check_stop(token, max_model_len)
             if status is not None:
                 self.running.remove(req)
@@ -344,8 +386,10 @@ class Scheduler:
             req.on_worker = False
         req.status = status
         children = self.requests.get(req.request_id)
-        if children is not None and all(c.status.finished for c in children):
+        last = children is not None and all(c.status.finished for c in children)
+        if last:
             del self.requests[req.request_id]
+        self.metrics.on_finished(req, self.clock(), last)
 
     def _output(self, req: Request, tokens: list[int], logprobs: list) -> RequestOutput:  # type: ignore[type-arg]
         return RequestOutput(
@@ -359,6 +403,7 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
             running=len(self.running), waiting=len(self.waiting), kv_usage=self.block_manager.usage,
+            num_kv_blocks=self.config.num_blocks,
             prefix_cache_queries=self._prefix_queries, prefix_cache_hits=self._prefix_hits,
             num_preemptions=self._num_preemptions, invariant_failures=self._invariant_failures,
         )

@@ -30,6 +30,7 @@ from shared.codec import MalformedFrameCounter, encode, safe_decode
 from shared.ipc import make_socket
 from services.tokenizer.engine_stats import EngineStatsView
 from shared.protocol import (
+    SCHEDULER_TO_FRONTEND,
     AbortRequest,
     AddRequest,
     EngineStats,
@@ -41,7 +42,6 @@ from shared.protocol import (
 from shared.sampling_params import SamplingParams
 
 log = logging.getLogger("pagoda.frontend.engine")
-SOCKET_NAME = "scheduler_frontend"
 HEARTBEAT_S = 1.0
 
 EngineEvent = RequestOutput | RequestError
@@ -177,8 +177,7 @@ class EngineClient:
                     return
                 log.warning("scheduler link receive failed: %s", e)
                 continue
-            msg = safe_decode(frames, SOCKET_NAME, (RequestOutputs, RequestError, EngineStats),
-                              self._counter)
+            msg = safe_decode(frames, SCHEDULER_TO_FRONTEND, self._counter)
             if msg is not None:
                 self._dispatch(msg)
 

@@ -15,11 +15,12 @@ checked here.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from shared.protocol import GenerateRequest
 from shared.sampling_params import SamplingParams
@@ -193,5 +194,5 @@ class InputProcessor:
                 f"(max_model_len {self.limits.max_model_len} - {prompt_len} prompt tokens)"
             )
         if params.max_tokens is None:
-            params = dataclasses.replace(params, max_tokens=max_tokens)
+            params = msgspec.structs.replace(params, max_tokens=max_tokens)
         return params

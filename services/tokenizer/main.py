@@ -126,7 +126,7 @@ class _Signals:
 
 async def _run(config: PagodaConfig, ready_fd: int | None, signals: _Signals) -> int:
     proc = config.process
-    model_dir = resolve_model(config.engine.model, progress=False)
+    model_dir = resolve_model(config.engine.model, proc.cache_dir, progress=False)
     limits = load_limits(model_dir, config.engine.max_model_len)
     processor = InputProcessor(load_tokenizer(model_dir), limits)
     frontend_id = make_frontend_id(proc.frontend_index)

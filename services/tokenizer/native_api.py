@@ -30,10 +30,15 @@ from services.tokenizer.input_processor import InputProcessor, InvalidRequest
 from services.tokenizer.request_runner import RequestFailed, RequestRunner, RunningRequest
 from shared.codec import MalformedFrameCounter, encode, safe_decode
 from shared.ipc import make_socket
-from shared.protocol import AbortRequest, GenerateOutput, GenerateRequest, RequestError
+from shared.protocol import (
+    CLIENT_TO_FRONTEND,
+    AbortRequest,
+    GenerateOutput,
+    GenerateRequest,
+    RequestError,
+)
 
 log = logging.getLogger("pagoda.frontend.native")
-SOCKET_NAME = "frontend_native"
 
 ClientKey = tuple[bytes, str]  # (client identity, client request id)
 
@@ -104,8 +109,7 @@ class NativeApi:
                     return
                 log.warning("native API receive failed: %s", e)
                 continue
-            msg = safe_decode(frames, SOCKET_NAME, (GenerateRequest, AbortRequest), self._counter,
-                              num_frames=2)
+            msg = safe_decode(frames, CLIENT_TO_FRONTEND, self._counter, num_frames=2)
             if msg is None:
                 continue
             identity = frames[0].bytes

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from services.worker.runner_builder import RunnerSpec, build_runner
+from shared.config import EngineSettings
 from shared.protocol import NewRequest, RunningRequest, StepBatch
 from shared.sampling_params import SamplingParams
 
@@ -38,9 +39,9 @@ def _time(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
 def bench_runner(model_dir: str, batch: int, context: int, repeats: int, block_size: int = 16) -> float:
     blocks_per_seq = (context + repeats + 2) // block_size + 1
     # the same runner a CPU worker builds (packed linears, allocator settings)
-    runner = build_runner(Path(model_dir), RunnerSpec(
-        block_size=block_size, num_kv_blocks=batch * blocks_per_seq + 1, dtype="float32", device="cpu",
-    )).runner
+    settings = EngineSettings(model=model_dir, block_size=block_size,
+                              num_kv_blocks=batch * blocks_per_seq + 1, dtype="float32", device="cpu")
+    runner = build_runner(Path(model_dir), RunnerSpec.from_settings(settings)).runner
     model = runner.model
     for k, v in runner.kv_caches:
         k.normal_()

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import sys
 import threading
@@ -26,24 +25,20 @@ import zmq
 from pagoda.model_fetch import resolve_model
 from services.worker.runner_builder import RunnerSpec, build_runner
 from shared.codec import MalformedFrameCounter, encode, safe_decode
-from shared.config import PagodaConfig, add_arguments, load_config
+from shared.config import ConfigError, PagodaConfig, add_arguments, load_config
 from shared.ipc import make_socket, report_ready
-from shared.protocol import StepBatch, WorkerReady
+from shared.protocol import SCHEDULER_TO_WORKER, WorkerReady
 
 log = logging.getLogger("pagoda.worker")
 POLL_MS = 200  # how often the loop looks at the stop flag while idle
 
 
-def run_worker(config: PagodaConfig, rank: int, ready_fd: int | None = None,
+def run_worker(config: PagodaConfig, ready_fd: int | None = None,
                stop: threading.Event | None = None) -> int:
-    engine, endpoints = config.engine, config.endpoints
+    engine, endpoints, rank = config.engine, config.endpoints, config.process.rank
     stop = stop or threading.Event()
-    model_dir = resolve_model(engine.model, progress=False)
-    built = build_runner(model_dir, RunnerSpec(
-        block_size=engine.block_size, kv_cache_bytes=engine.kv_cache_bytes,
-        num_kv_blocks=engine.num_kv_blocks, max_model_len=engine.max_model_len,
-        dtype=engine.dtype, device=engine.device,
-    ))
+    model_dir = resolve_model(engine.model, config.process.cache_dir, progress=False)
+    built = build_runner(model_dir, RunnerSpec.from_settings(engine))
     runner = built.runner
     counter = MalformedFrameCounter(log)
     ctx: zmq.Context[Any] = zmq.Context()
@@ -63,7 +58,7 @@ def run_worker(config: PagodaConfig, rank: int, ready_fd: int | None = None,
         while not stop.is_set():
             if not steps.poll(POLL_MS, zmq.POLLIN):
                 continue
-            batch = safe_decode(steps.recv_multipart(copy=False), "worker_step", (StepBatch,), counter)
+            batch = safe_decode(steps.recv_multipart(copy=False), SCHEDULER_TO_WORKER, counter)
             if batch is None:
                 continue
             result = runner.execute(batch)
@@ -78,19 +73,22 @@ def run_worker(config: PagodaConfig, rank: int, ready_fd: int | None = None,
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pagoda worker", description="run one worker rank")
-    parser.add_argument("--rank", type=int, default=int(os.environ.get("PAGODA_RANK", "0")))
     parser.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     add_arguments(parser, groups=("endpoints", "engine", "process"))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
-    config = load_config(args)
+    try:
+        config = load_config(args)
+    except ConfigError as e:
+        print(f"pagoda worker: {e}", file=sys.stderr)
+        return 2
     if args.threads:
         torch.set_num_threads(args.threads)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    return run_worker(config, args.rank, args.ready_fd, stop)
+    return run_worker(config, args.ready_fd, stop)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@
 The runner keeps a per-request state table (tokens, block table, computed count),
 so a step carries only deltas (see ``shared.protocol``). Each step it:
 1. drops finished/preempted requests, adds new ones, extends block tables;
-2. flattens the scheduled tokens into one varlen batch, decodes first;
+2. flattens the scheduled tokens into one varlen batch in the scheduler's order
+   (one-token sequences first, then multi-token chunks: the order the attention
+   backends want), so neither the batch nor the results are re-sorted;
 3. runs the model, computes logits only for requests that reached the end of their
    known tokens (a request mid chunked-prefill samples nothing), samples, and
    appends the sampled tokens to its own state.
@@ -29,7 +31,7 @@ class StepError(RuntimeError):
 
 @dataclass
 class CachedRequestState:
-    request_id: str
+    request_id: int  # the scheduler's compact sequence id
     token_ids: list[int]  # prompt, then every output token sampled so far
     num_prompt_tokens: int
     sampling_params: SamplingParams
@@ -115,7 +117,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.kv_caches = allocate_kv_caches(model, num_blocks, block_size, kv_dtype, self.device)
         self.sampler = Sampler(model.config.vocab_size, model.config.eos_token_ids, self.device)
-        self.requests: dict[str, CachedRequestState] = {}
+        self.requests: dict[int, CachedRequestState] = {}
 
     # -- state table ---------------------------------------------------------------
     def _apply_deltas(self, batch: StepBatch) -> None:
@@ -145,7 +147,7 @@ class ModelRunner:
         return self.execute_with_logits(batch)[0]
 
     @torch.inference_mode()
-    def execute_with_logits(self, batch: StepBatch) -> tuple[StepResult, dict[str, torch.Tensor]]:
+    def execute_with_logits(self, batch: StepBatch) -> tuple[StepResult, dict[int, torch.Tensor]]:
         """Runs the step; also returns request_id -> raw logits [vocab] of each sampler."""
         self._apply_deltas(batch)
         if not batch.scheduled_request_ids:
@@ -162,20 +164,18 @@ class ModelRunner:
         sampled = out.sampled_token_ids.tolist()
         for state, token in zip(samplers, sampled):
             state.token_ids.append(token)
-        # StepResult lists samplers in the scheduler's batch order
-        position = {rid: i for i, rid in enumerate(batch.scheduled_request_ids)}
-        ranked = sorted(range(len(samplers)), key=lambda j: position[samplers[j].request_id])
+        # samplers are in the scheduler's batch order already
         result = StepResult(
             step_id=batch.step_id,
-            request_ids=[samplers[j].request_id for j in ranked],
-            sampled_token_ids=[sampled[j] for j in ranked],
-            logprobs=[out.logprobs[j] for j in ranked],
+            request_ids=[s.request_id for s in samplers],
+            sampled_token_ids=sampled,
+            logprobs=out.logprobs,
         )
         return result, {s.request_id: logits[j] for j, s in enumerate(samplers)}
 
     def _flatten(self, batch: StepBatch) -> _FlatBatch:
-        decodes: list[CachedRequestState] = []
-        prefills: list[tuple[CachedRequestState, int]] = []
+        order: list[CachedRequestState] = []
+        num_decodes = 0
         for rid, n in zip(batch.scheduled_request_ids, batch.num_scheduled_tokens, strict=True):
             state = self.requests.get(rid)
             if state is None:
@@ -189,12 +189,11 @@ class ModelRunner:
             if -(-end // self.block_size) > len(state.block_ids):
                 raise StepError(f"request {rid!r}: {end} tokens but {len(state.block_ids)} blocks")
             if n == 1:
-                decodes.append(state)
-            else:
-                prefills.append((state, n))
-        order = decodes + [s for s, _ in prefills]
-        counts = [1] * len(decodes) + [n for _, n in prefills]
-        return self._build_tensors(order, counts, len(decodes))
+                if num_decodes != len(order):
+                    raise StepError(f"request {rid!r}: a one-token sequence after a multi-token one")
+                num_decodes += 1
+            order.append(state)
+        return self._build_tensors(order, batch.num_scheduled_tokens, num_decodes)
 
     def _build_tensors(
         self, order: list[CachedRequestState], counts: list[int], num_decodes: int

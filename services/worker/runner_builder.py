@@ -20,6 +20,7 @@ from services.worker.layers.linear import pack_cpu_linears
 from services.worker.loader import load_model
 from services.worker.model_config import ModelConfig
 from services.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
+from shared.config import EngineSettings
 
 DEFAULT_KV_CACHE_BYTES = 2 * 1024**3  # CPU default; on CUDA the pool takes free memory
 CUDA_MEMORY_UTILISATION = 0.85  # of the memory free after the weights
@@ -28,12 +29,24 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 @dataclass(frozen=True)
 class RunnerSpec:
+    """The engine settings a model runner is built from (``from_settings``)."""
+
     block_size: int = 16
     kv_cache_bytes: int | None = None
     num_kv_blocks: int | None = None
     max_model_len: int | None = None
     dtype: str = "auto"  # see resolve_dtype
     device: str = "auto"  # auto: cuda if available, else cpu
+    attention_backend: str = "auto"  # see services/worker/attention/selector.py
+
+    @classmethod
+    def from_settings(cls, engine: EngineSettings) -> RunnerSpec:
+        """The one place a runner's spec is derived (worker process, EngineCore, benches)."""
+        return cls(
+            block_size=engine.block_size, kv_cache_bytes=engine.kv_cache_bytes,
+            num_kv_blocks=engine.num_kv_blocks, max_model_len=engine.max_model_len,
+            dtype=engine.dtype, device=engine.device, attention_backend=engine.attention_backend,
+        )
 
 
 @dataclass
@@ -99,7 +112,8 @@ def build_runner(model_dir: Path, spec: RunnerSpec) -> BuiltRunner:
             f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {max_pos}"
         )
     num_blocks = _num_blocks(model, spec, dtype, device)
-    runner = ModelRunner(model, get_attention_backend(device), num_blocks, spec.block_size, dtype, device)
+    attention = get_attention_backend(device, spec.attention_backend)
+    runner = ModelRunner(model, attention, num_blocks, spec.block_size, dtype, device)
     return BuiltRunner(runner, model.config, max_model_len, num_blocks)
 
 

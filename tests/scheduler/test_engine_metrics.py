@@ -1,12 +1,12 @@
-"""EngineMetrics: histograms and counters from a scheduler run with a fabricated worker,
-rendered by the frontend's EngineStatsView and parsed back with prometheus_client."""
+"""EngineMetrics: histograms and counters the scheduler core keeps while it runs with a
+fabricated worker (timestamps from a fake clock), rendered by the frontend's
+EngineStatsView and parsed back with prometheus_client."""
 
 from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.scheduler.metrics import EngineMetrics, HistogramAccumulator
-from services.scheduler.request import seq_id_of
+from services.scheduler.metrics import HistogramAccumulator
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
 from services.tokenizer.engine_stats import EngineStatsView
 from shared.codec import MalformedFrameCounter, decode, encode
@@ -31,25 +31,34 @@ def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 
 def test_counters_move_and_render_parses() -> None:
-    sched = Scheduler(SchedulerConfig(num_blocks=64, block_size=4, vocab_size=1000))
-    worker = FakeWorker(4, 1000)
-    metrics = EngineMetrics()
     clock = [100.0]
+    sched = Scheduler(SchedulerConfig(num_blocks=64, block_size=4, vocab_size=1000),
+                      clock=lambda: clock[0])
+    worker = FakeWorker(4, 1000)
     for i, n in enumerate((1, 2)):
-        rid = f"r{i}"
-        sched.add_request(rid, [5, 6, 7, 8, 9], SamplingParams(n=n, max_tokens=3, ignore_eos=True))
-        metrics.on_add(rid, [seq_id_of(rid, k) for k in range(n)], arrival=99.0, num_prompt_tokens=5)
+        sched.add_request(f"r{i}", [5, 6, 7, 8, 9], SamplingParams(n=n, max_tokens=3, ignore_eos=True),
+                          arrival_time=99.0)
+    sched.add_request("gone", [5, 6], SamplingParams(max_tokens=3), arrival_time=99.5)
+    sched.abort_request(["gone"])  # never ran: counted as aborted, no token figures
+    first = sched.requests["r0"][0]
     while sched.has_unfinished_requests():
         clock[0] += 0.5
         batch = sched.schedule()
-        metrics.on_step(batch, clock[0])
-        metrics.on_outputs(sched.update(batch, worker.execute(batch)), clock[0])
+        clock[0] += 0.25  # the step's compute
+        sched.update(batch, worker.execute(batch))
+    # r0 was scheduled at 100.5, sampled at 100.75, 101.5, 102.25
+    assert (first.arrival_time, first.first_scheduled_time) == (99.0, 100.5)
+    assert (first.first_token_time, first.last_token_time) == (100.75, 102.25)
     counter = MalformedFrameCounter()
     counter.record("scheduler_frontend", "msgpack", b"\x00", "x")
-    stats = decode(encode(metrics.snapshot(sched.stats(), 64, counter)))  # as on the wire
-    assert stats.generation_tokens == 9 and stats.prompt_tokens == 10 and stats.finished_length == 3
+    stats = decode(encode(sched.metrics.snapshot(sched.stats(), counter)))  # as on the wire
+    assert stats.generation_tokens == 9 and stats.prompt_tokens == 12 and stats.finished_length == 3
+    assert stats.finished_abort == 1 and stats.num_kv_blocks == 64
     assert stats.time_to_first_token.count == 3 and stats.inter_token_latency.count == 6
-    assert stats.queue_time.count == 3 and stats.e2e_latency.count == 3
+    assert stats.queue_time.count == 3 and stats.e2e_latency.count == 4
+    # r0 and r1 child 0 wait 1.75 s for a first token; r1 child 1 starts a step later
+    assert stats.time_to_first_token.total == 2 * 1.75 + 2.5
+    assert stats.inter_token_latency.total == 6 * 0.75
 
     view = EngineStatsView("frontend-0", MalformedFrameCounter())
     assert view.health() == (False, "no answer from the scheduler yet")

@@ -54,6 +54,11 @@ def run(s: Scheduler, w: FakeWorker, max_steps: int = 5000) -> dict[tuple[str, i
     return done
 
 
+def sid(s: Scheduler, request_id: str, index: int = 0) -> int:
+    """The worker-link sequence id the scheduler minted for one child of a request."""
+    return s.requests[request_id][index].seq_id
+
+
 def assert_idle(s: Scheduler) -> None:
     s.check_invariants()
     st = s.stats()
@@ -88,11 +93,12 @@ def test_waiting_admitted_in_priority_then_arrival_order() -> None:
     s.add_request("a", prompt(3), params(max_tokens=1))
     s.add_request("b", prompt(3), params(max_tokens=1), priority=-1)
     s.add_request("c", prompt(3), params(max_tokens=1))
+    seqs = {sid(s, rid): rid for rid in ("a", "b", "c")}
     order = []
     while s.has_unfinished_requests():
         batch, _ = step(s, w)
-        order += [r.request_id for r in batch.new_requests]
-    assert order == ["b-0", "a-0", "c-0"]
+        order += [seqs[r.request_id] for r in batch.new_requests]
+    assert order == ["b", "a", "c"]
 
 
 # -- step messages ----------------------------------------------------------------------
@@ -100,8 +106,9 @@ def test_waiting_admitted_in_priority_then_arrival_order() -> None:
 def test_step_batch_is_a_delta() -> None:
     s, w = make(block_size=4)
     s.add_request("r", prompt(6), params(max_tokens=8))
+    r0 = sid(s, "r")
     b0, _ = step(s, w)
-    assert [n.request_id for n in b0.new_requests] == ["r-0"]
+    assert [n.request_id for n in b0.new_requests] == [r0]
     assert b0.new_requests[0].token_ids == prompt(6) and len(b0.new_requests[0].block_ids) == 2
     assert b0.num_scheduled_tokens == [6]
     b1, _ = step(s, w)  # token 7 -> still in block 1
@@ -111,7 +118,7 @@ def test_step_batch_is_a_delta() -> None:
     assert [len(r.new_block_ids) for r in b2.running_requests + b3.running_requests] == [1]
     while s.has_unfinished_requests():
         last, _ = step(s, w)
-    assert s.schedule().finished_request_ids == ["r-0"]
+    assert s.schedule().finished_request_ids == [r0]
     assert_idle(s)
 
 
@@ -122,13 +129,15 @@ def test_chunked_prefill_keeps_decodes_going_and_respects_budget() -> None:
     s.add_request("short", prompt(5), params(max_tokens=30))
     step(s, w)
     s.add_request("long", prompt(200, start=500), params(max_tokens=3))
+    short0, long0 = sid(s, "short"), sid(s, "long")
     chunks = []
-    while s.block_manager.holds("long-0") is False or s.requests["long"][0].num_computed_tokens < 200:
+    while s.block_manager.holds(long0) is False or s.requests["long"][0].num_computed_tokens < 200:
         batch, _ = step(s, w)
         sched = dict(zip(batch.scheduled_request_ids, batch.num_scheduled_tokens))
-        assert sched.get("short-0") == 1, "the decode must get a token every step"
+        assert sched.get(short0) == 1, "the decode must get a token every step"
+        assert batch.scheduled_request_ids[0] == short0, "one-token sequences come first"
         assert batch.total_num_scheduled_tokens <= 32
-        chunks.append(sched["long-0"])
+        chunks.append(sched[long0])
     assert sum(chunks) == 200 and len(chunks) == -(-200 // 31)
     run(s, w)
     assert_idle(s)
@@ -149,6 +158,7 @@ def test_preemption_takes_the_newest_and_oldest_always_progresses() -> None:
     s, w = make(num_blocks=8, block_size=4, max_model_len=64)
     for i in range(4):
         s.add_request(f"r{i}", prompt(4, 10 * i), params(max_tokens=20))
+    request_of = {sid(s, f"r{i}"): f"r{i}" for i in range(4)}
     step(s, w)  # 4 prompts x 1 block each: 4 free blocks left
     preempted_order = []
     oldest_progress = []
@@ -156,11 +166,12 @@ def test_preemption_takes_the_newest_and_oldest_always_progresses() -> None:
         before = s.requests.get("r0", [None])[0]
         n0 = before.num_tokens if before else None
         batch, _ = step(s, w)
-        preempted_order += [rid for rid in batch.finished_request_ids if s.requests.get(rid[:-2])]
+        preempted_order += [request_of[q] for q in batch.finished_request_ids
+                            if s.requests.get(request_of[q])]
         if before is not None and not before.status.finished:
             oldest_progress.append(before.num_tokens > n0)
     assert s.stats().num_preemptions > 0
-    assert "r0-0" not in preempted_order, "the oldest request was preempted"
+    assert "r0" not in preempted_order, "the oldest request was preempted"
     assert all(oldest_progress), "the oldest request missed a step"
     assert_idle(s)
 
@@ -197,9 +208,8 @@ def test_stop_rules() -> None:
     s.add_request("min", prompt(3), params(max_tokens=50, min_tokens=2))
     s.add_request("model-len", prompt(3), params(max_tokens=None))
     for rid in ("eos", "eos-ignored", "min"):
-        w.forced[f"{rid}-0"] = [5, EOS, EOS, 6]
-    w.forced["stop-id"] = []
-    w.forced["stop-id-0"] = [5, 77, 8]
+        w.forced[sid(s, rid)] = [5, EOS, EOS, 6]
+    w.forced[sid(s, "stop-id")] = [5, 77, 8]
     done = run(s, w)
     assert done[("eos", 0)].new_token_ids == [5, EOS] and done[("eos", 0)].finish_reason == "stop"
     assert done[("eos-ignored", 0)].new_token_ids[:4] == [5, EOS, EOS, 6]
@@ -220,12 +230,14 @@ def test_abort_in_every_state_frees_blocks_exactly_once() -> None:
     s, w = make(num_blocks=12, block_size=4, max_num_batched_tokens=8, max_model_len=200)
     s.add_request("running", prompt(4), params(max_tokens=100))
     s.add_request("prefilling", prompt(30), params(max_tokens=100))
+    held = {sid(s, "running"), sid(s, "prefilling")}
     step(s, w)
     step(s, w)
     assert s.requests["running"][0].status == RequestStatus.RUNNING
     prefilling = s.requests["prefilling"][0]
     assert 0 < prefilling.num_computed_tokens < 30
     s.add_request("waiting", prompt(4), params(max_tokens=100))
+    held.add(sid(s, "waiting"))
     # run until something is preempted
     while not any(r.status == RequestStatus.PREEMPTED for rs in s.requests.values() for r in rs):
         step(s, w)
@@ -238,7 +250,7 @@ def test_abort_in_every_state_frees_blocks_exactly_once() -> None:
         s.check_invariants()
     assert_idle(s)
     # workers are told to drop every sequence they held
-    assert set(s.schedule().finished_request_ids) <= {"running-0", "prefilling-0", "waiting-0"}
+    assert set(s.schedule().finished_request_ids) <= held
 
 
 def test_abort_mid_prefill_and_waiting_explicitly() -> None:
@@ -266,12 +278,13 @@ def test_abort_racing_the_step_is_ignored() -> None:
 def test_n_children_share_prompt_blocks_and_are_all_freed() -> None:
     s, w = make(num_blocks=64, block_size=4)
     s.add_request("r", prompt(18), params(n=4, temperature=1.0, seed=1, max_tokens=6))
+    children = [sid(s, "r", i) for i in range(4)]
     b0, _ = step(s, w)
-    assert [n.request_id for n in b0.new_requests] == ["r-0"], "child 0 computes the prompt alone"
+    assert [n.request_id for n in b0.new_requests] == children[:1], "child 0 computes the prompt alone"
     b1, _ = step(s, w)
     forks = {n.request_id: n for n in b1.new_requests}
-    assert set(forks) == {"r-1", "r-2", "r-3"}
-    first_blocks = s.block_manager.block_ids("r-0")[:4]  # (18 - 1) // 4 full prompt blocks
+    assert set(forks) == set(children[1:])
+    first_blocks = s.block_manager.block_ids(children[0])[:4]  # (18 - 1) // 4 full prompt blocks
     for child in forks.values():
         assert child.block_ids[:4] == first_blocks
         assert child.num_computed_tokens == 16

@@ -10,14 +10,18 @@ import pytest
 
 from shared.config import (
     SETTINGS,
+    SETTINGS_BY_KEY,
     ConfigError,
     Endpoints,
     EngineSettings,
     ProcessSettings,
     add_arguments,
+    engine_settings,
     env_help,
     load_config,
+    load_engine_settings,
     resolve,
+    resolve_setting,
 )
 
 
@@ -126,3 +130,122 @@ def test_role_flags_subset() -> None:
     assert parser.parse_args(["--scheduler-step", "ipc:///x"]).scheduler_step == "ipc:///x"
     with pytest.raises(SystemExit):
         parser.parse_args(["--block-size", "16"])
+
+
+def test_every_row_has_an_env_var_and_help() -> None:
+    envs = [s.env for s in SETTINGS]
+    assert len(envs) == len(set(envs))
+    for s in SETTINGS:
+        assert s.env.startswith("PAGODA_") and s.env.isupper(), s.key
+        assert s.help.strip(), f"{s.key} has no help"
+        assert s.flag == "--" + s.key.replace("_", "-")
+    # names that existed before the registry keep working
+    assert SETTINGS_BY_KEY["cache_dir"].env == "PAGODA_CACHE"
+    assert SETTINGS_BY_KEY["rank"].env == "PAGODA_RANK"
+    assert SETTINGS_BY_KEY["testing"].env == "PAGODA_TESTING"
+    assert SETTINGS_BY_KEY["attention_backend"].env == "PAGODA_ATTENTION_BACKEND"
+
+
+@pytest.mark.parametrize("role", ["serve", "scheduler", "worker", "frontend"])
+def test_role_help_lists_every_setting_with_its_env_var(
+    role: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pagoda.cli import main
+
+    monkeypatch.setenv("COLUMNS", "200")
+    with pytest.raises(SystemExit) as exit_info:
+        main([role, "--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    missing = [s.env for s in SETTINGS if s.env not in text or s.flag not in text]
+    assert not missing, f"pagoda {role} --help lacks {missing}"
+
+
+@pytest.mark.parametrize(
+    ("key", "flag", "env_text", "env_value", "default"),
+    [
+        ("rank", 0, "0", 0, 0),
+        ("attention_backend", "cpu", "torch", "torch", "auto"),
+        ("testing", False, "1", True, False),
+        ("cache_dir", "/flag/cache", "/env/cache", "/env/cache", "~/.cache/pagoda"),
+    ],
+)
+def test_new_rows_resolve_flag_over_env_over_default(
+    key: str, flag: object, env_text: str, env_value: object, default: object
+) -> None:
+    env = {SETTINGS_BY_KEY[key].env: env_text}
+    assert resolve_setting(key, flag, env) == flag
+    assert resolve_setting(key, None, env) == env_value
+    assert resolve_setting(key, None, {}) == default
+    # the same through the configs every process loads
+    group = SETTINGS_BY_KEY[key].group
+    assert getattr(getattr(load_config({key: flag}, env), group), key) == flag
+    assert getattr(getattr(load_config({}, env), group), key) == env_value
+    assert getattr(getattr(load_config({}, {}), group), key) == default
+
+
+def test_testing_and_rank_flags() -> None:
+    config = load_config(parse("--testing", "--rank", "0"), {"PAGODA_TESTING": "0"})
+    assert config.process.testing is True and config.process.rank == 0
+    with pytest.raises(ConfigError, match="PAGODA_ATTENTION_BACKEND"):
+        load_config(parse(), {"PAGODA_ATTENTION_BACKEND": "flash"})
+    with pytest.raises(ConfigError, match="rank: 1 but tensor_parallel_size is 1"):
+        load_config(parse("--rank", "1"), {})
+    with pytest.raises(ConfigError, match="rank"):
+        load_config(parse("--rank", "-1"), {})
+
+
+@pytest.mark.parametrize("how", ["dataclass", "env", "flag"])
+def test_tensor_parallelism_is_refused_until_it_lands(how: str) -> None:
+    with pytest.raises(ConfigError, match="tensor_parallel_size: 2 is not supported yet.*issue 15"):
+        if how == "dataclass":
+            EngineSettings(tensor_parallel_size=2)
+        elif how == "env":
+            load_config(parse(), {"PAGODA_TENSOR_PARALLEL_SIZE": "2"})
+        else:
+            load_config(parse("--tensor-parallel-size", "2"), {})
+
+
+def test_engine_settings_names_an_unknown_key() -> None:
+    names = {f.name for f in dataclasses.fields(EngineSettings)}
+    assert engine_settings({n: getattr(EngineSettings(), n) for n in names}) == EngineSettings()
+    with pytest.raises(TypeError, match="LLM.*'block_sise'"):
+        engine_settings({"block_sise": 32}, caller="LLM")
+    with pytest.raises(ConfigError, match="block_size"):
+        engine_settings({"block_size": 0})
+
+
+def test_load_engine_settings_flag_over_env() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, groups=("engine",))
+    args = parser.parse_args(["--max-num-seqs", "4"])
+    engine = load_engine_settings(args, {"PAGODA_MAX_NUM_SEQS": "8", "PAGODA_BLOCK_SIZE": "32"})
+    assert (engine.max_num_seqs, engine.block_size) == (4, 32)
+
+
+def test_llm_takes_exactly_the_engine_settings(tiny_llama_dir: Path) -> None:
+    import inspect
+
+    from pagoda.llm import LLM
+
+    params = inspect.signature(LLM.__init__).parameters
+    assert list(params) == ["self", "model", "settings"]  # model, then **settings
+    assert params["model"].default == EngineSettings.model
+    given = {f.name: getattr(EngineSettings(), f.name) for f in dataclasses.fields(EngineSettings)}
+    given.update(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=16, device="cpu",
+                 attention_backend="torch", block_size=8, max_num_seqs=4)
+    llm = LLM(**given)
+    assert llm.settings == EngineSettings(**given)
+    assert llm.engine.runner.backend.name == "torch"
+    assert llm.engine.scheduler.config.block_size == 8
+    assert llm.engine.scheduler.config.max_num_seqs == 4
+    assert llm.engine.scheduler.config.num_blocks == 16
+
+
+def test_llm_refuses_an_unknown_kwarg_naming_it() -> None:
+    from pagoda.llm import LLM
+
+    with pytest.raises(TypeError, match="'strict_invariant'"):
+        LLM("smollm2", strict_invariant=True)  # checked before any model is fetched
+    with pytest.raises(ConfigError, match="tensor_parallel_size"):
+        LLM("smollm2", tensor_parallel_size=2)

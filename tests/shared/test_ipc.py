@@ -26,7 +26,14 @@ from shared.ipc import (
     wait_for_subscribers,
     wait_ready,
 )
-from shared.protocol import AbortRequest, AddRequest, RequestError, StepBatch
+from shared.protocol import (
+    FRONTEND_TO_SCHEDULER,
+    SCHEDULER_TO_FRONTEND,
+    SCHEDULER_TO_WORKER,
+    AddRequest,
+    RequestError,
+    StepBatch,
+)
 from shared.sampling_params import SamplingParams
 
 TIMEOUT_MS = 5_000
@@ -60,9 +67,9 @@ def round_trip(ctx: zmq.Context[Any], address: str) -> None:
     dealer.send(encode(request))
     frames = recv(router)
     assert frames[0] == b"frontend-0"
-    assert safe_decode(frames, "router", (AddRequest, AbortRequest), counter, num_frames=2) == request
+    assert safe_decode(frames, FRONTEND_TO_SCHEDULER, counter, num_frames=2) == request
     router.send_multipart([frames[0], encode(RequestError("r1", "too_long", "no"))])
-    reply = safe_decode(recv(dealer), "dealer", (RequestError,), counter)
+    reply = safe_decode(recv(dealer), SCHEDULER_TO_FRONTEND, counter)
     assert reply == RequestError("r1", "too_long", "no")
     assert counter.count() == 0
     for sock in (router, dealer):
@@ -125,7 +132,7 @@ def test_step_fan_out_reaches_every_rank(ctx: zmq.Context[Any], run_dir: Path) -
     xpub.send(encode(StepBatch(0)))
     counter = MalformedFrameCounter()
     for sub in ranks:
-        assert safe_decode(recv(sub), "worker.step", (StepBatch,), counter) == StepBatch(0)
+        assert safe_decode(recv(sub), SCHEDULER_TO_WORKER, counter) == StepBatch(0)
         sub.close()
     xpub.close()
 

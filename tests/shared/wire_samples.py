@@ -35,26 +35,27 @@ def logprobs(k: int = 2) -> TokenLogprobs:
 
 
 def sampling(**overrides: object) -> SamplingParams:
-    values: dict[str, object] = dict(
-        n=2, temperature=0.7, top_p=0.9, top_k=-1, min_p=0.05, presence_penalty=-1.5,
-        frequency_penalty=0.5, repetition_penalty=1.2, seed=-(2**63), stop=["\n\n", "终"],
-        stop_token_ids=[2, 0], include_stop_str_in_output=True, ignore_eos=True,
-        max_tokens=None, min_tokens=3, logprobs=5,
-    )
+    values: dict[str, object] = {
+        "n": 2, "temperature": 0.7, "top_p": 0.9, "top_k": -1, "min_p": 0.05,
+        "presence_penalty": -1.5, "frequency_penalty": 0.5, "repetition_penalty": 1.2,
+        "seed": -(2**63), "stop": ["\n\n", "终"], "stop_token_ids": [2, 0],
+        "include_stop_str_in_output": True, "ignore_eos": True, "max_tokens": None,
+        "min_tokens": 3, "logprobs": 5,
+    }
     values.update(overrides)
     return SamplingParams(**values)  # type: ignore[arg-type]
 
 
 def step_batch(num_running: int = 3, prompt_len: int = 40) -> StepBatch:
     new = [
-        NewRequest(f"new-{i}", list(range(prompt_len)), prompt_len - 2, sampling(),
+        NewRequest(i, list(range(prompt_len)), prompt_len - 2, sampling(),
                    [i, i + 100, INT32_MAX], 16)
         for i in range(2)
     ]
-    running = [RunningRequest(f"run-{i}", [i] if i % 2 else []) for i in range(num_running)]
+    running = [RunningRequest(10 + i, [i] if i % 2 else []) for i in range(num_running)]
     ids = [r.request_id for r in new] + [r.request_id for r in running]
     return StepBatch(7, new, running, ids, [prompt_len - 16] * 2 + [1] * num_running,
-                     ["gone-1", "gone-2"])
+                     [2**63 - 1, 7])
 
 
 def samples() -> list[object]:
@@ -77,8 +78,8 @@ def samples() -> list[object]:
         StepBatch(0),
         step_batch(),
         StepResult(0),
-        StepResult(3, ["a", "b"], [11, 0], [None, logprobs(20)]),
-        StepResult(4, ["a"], [11]),  # logprobs omitted entirely
+        StepResult(3, [1, 0], [11, 0], [None, logprobs(20)]),
+        StepResult(4, [5], [11]),  # logprobs omitted entirely
         WorkerReady(rank=0, num_kv_blocks=4096, block_size=16, max_model_len=8192,
                     vocab_size=49152, eos_token_ids=[0, 2]),
         GenerateRequest("c-1", SamplingParams(), prompt="你好 👋"),

@@ -25,8 +25,10 @@ import zmq
 from shared.codec import MalformedFrameCounter, encode, safe_decode
 from shared.ipc import make_socket
 from shared.protocol import (
+    FRONTEND_TO_SCHEDULER,
     AbortRequest,
     AddRequest,
+    Heartbeat,
     RequestError,
     RequestOutput,
     RequestOutputs,
@@ -118,9 +120,9 @@ class FakeScheduler:
                 self._step()
 
     def _receive(self, frames: list[bytes]) -> None:
-        msg = safe_decode(frames, "fake_scheduler", (AddRequest, AbortRequest), self.counter,
-                          num_frames=2)
-        if msg is None:
+        msg = safe_decode(frames, FRONTEND_TO_SCHEDULER, self.counter, num_frames=2,
+                          socket_name="fake_scheduler")
+        if msg is None or isinstance(msg, Heartbeat):  # no liveness to track here
             return
         identity = frames[0]
         with self._cond:

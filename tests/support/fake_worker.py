@@ -25,8 +25,8 @@ class FakeWorker:
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.avoid = avoid  # token ids never produced (e.g. EOS) unless forced
-        self.seqs: dict[str, _Seq] = {}
-        self.forced: dict[str, list[int]] = {}  # seq_id -> tokens to emit next, in order
+        self.seqs: dict[int, _Seq] = {}
+        self.forced: dict[int, list[int]] = {}  # seq_id -> tokens to emit next, in order
 
     def next_token(self, tokens: list[int]) -> int:
         token = (sum(tokens[-3:]) * 31 + len(tokens)) % self.vocab_size

@@ -1,7 +1,9 @@
 """A minimal stand-in for the scheduler that drives a ModelRunner in tests.
 
 It hands out KV blocks in shuffled order (so block tables are non-contiguous)
-and builds StepBatch deltas exactly as the protocol describes.
+and builds StepBatch deltas exactly as the protocol describes: compact int sequence
+ids on the wire, one-token sequences first. Tests name requests with strings; results
+and logits come back under those names.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class PagedDriver:
         self.computed: dict[str, int] = {}
         self.blocks: dict[str, list[int]] = {}
         self.on_worker: set[str] = set()
+        self.seq_ids: dict[str, int] = {}
         self.step_id = 0
 
     def add(self, request_id: str, prompt: list[int], params: SamplingParams = GREEDY) -> None:
@@ -36,31 +39,39 @@ class PagedDriver:
         self.params[request_id] = params
         self.computed[request_id] = 0
         self.blocks[request_id] = []
+        self.seq_ids[request_id] = len(self.seq_ids)
 
     def step(self, num_tokens: dict[str, int]) -> tuple[StepResult, dict[str, torch.Tensor]]:
         batch = StepBatch(step_id=self.step_id)
         self.step_id += 1
         bs = self.runner.block_size
-        for rid, n in num_tokens.items():
+        # the scheduler's order: one-token sequences first (stable otherwise)
+        ordered = sorted(num_tokens.items(), key=lambda item: item[1] > 1)
+        for rid, n in ordered:
+            sid = self.seq_ids[rid]
             needed = -(-(self.computed[rid] + n) // bs) - len(self.blocks[rid])
             new_blocks = [self.free.pop() for _ in range(max(0, needed))]
             self.blocks[rid].extend(new_blocks)
             if rid in self.on_worker:
-                batch.running_requests.append(RunningRequest(rid, new_blocks))
+                batch.running_requests.append(RunningRequest(sid, new_blocks))
             else:
                 batch.new_requests.append(
-                    NewRequest(rid, list(self.tokens[rid]), self.num_prompt[rid], self.params[rid],
+                    NewRequest(sid, list(self.tokens[rid]), self.num_prompt[rid], self.params[rid],
                                list(self.blocks[rid]), self.computed[rid])
                 )
                 self.on_worker.add(rid)
-            batch.scheduled_request_ids.append(rid)
+            batch.scheduled_request_ids.append(sid)
             batch.num_scheduled_tokens.append(n)
         result, logits = self.runner.execute_with_logits(batch)
         for rid, n in num_tokens.items():
             self.computed[rid] += n
-        for rid, token in zip(result.request_ids, result.sampled_token_ids):
+        name = {sid: rid for rid, sid in self.seq_ids.items()}
+        names = [name[sid] for sid in result.request_ids]
+        for rid, token in zip(names, result.sampled_token_ids):
             self.tokens[rid].append(token)
-        return result, logits
+        named = StepResult(result.step_id, names, result.sampled_token_ids,  # type: ignore[arg-type]
+                           result.logprobs)
+        return named, {name[sid]: row for sid, row in logits.items()}
 
     def prefill(self, request_ids: list[str]) -> tuple[StepResult, dict[str, torch.Tensor]]:
         return self.step({r: len(self.tokens[r]) - self.computed[r] for r in request_ids})

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import msgpack
+import msgspec
 import pytest
 import zmq
 
@@ -265,7 +265,7 @@ def test_malformed_frames_are_dropped_counted_and_the_next_request_served(
     valid = encode(GenerateRequest("m-1", SamplingParams(max_tokens=2), prompt_token_ids=[1, 2]))
     bad = {
         "msgpack": [b"\xc1 garbage bytes"],  # 0xc1 is never valid msgpack
-        "arity": [msgpack.packb([1, 8, ["only-an-id"]])],  # a valid envelope, wrong shape
+        "arity": [msgspec.msgpack.encode([1, [8, "only-an-id"]])],  # a valid envelope, wrong shape
         "unexpected_kind": [encode(RequestOutputs([]))],
         "frame_count": [valid, valid],
     }

@@ -43,9 +43,19 @@ def test_selector_defaults_and_override(monkeypatch: pytest.MonkeyPatch) -> None
     if HAS_TRITON and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
         monkeypatch.setenv(ENV_VAR, "triton")
         assert get_attention_backend(torch.device("cpu")).name == "triton"
+    assert get_attention_backend(torch.device("cpu"), "torch").name == "torch"  # config wins
     monkeypatch.setenv(ENV_VAR, "nope")
-    with pytest.raises(ValueError, match="unknown attention backend 'nope'"):
+    with pytest.raises(ValueError, match=f"{ENV_VAR}: expected one of"):
         get_attention_backend(torch.device("cpu"))
+    with pytest.raises(ValueError, match="unknown attention backend 'nope'"):
+        get_attention_backend(torch.device("cpu"), "nope")
+
+
+def test_selector_knows_exactly_the_settings_choices() -> None:
+    from services.worker.attention.selector import _BACKENDS
+    from shared.config import ATTENTION_BACKENDS
+
+    assert {"auto", *_BACKENDS} == set(ATTENTION_BACKENDS)
 
 
 def _greedy_run(

@@ -1,4 +1,4 @@
-"""Chooses the attention backend for a device; PAGODA_ATTENTION_BACKEND overrides.
+"""Chooses the attention backend for a device; the ``attention_backend`` setting overrides.
 
 Triton on CUDA when the triton package is installed; on the CPU the C++ decode kernel
 (``cpu``) when it builds on this machine, else the pure torch path. The Triton
@@ -9,15 +9,15 @@ which fixes whether they run compiled or in the interpreter (TRITON_INTERPRET).
 from __future__ import annotations
 
 import importlib.util
-import os
 from collections.abc import Callable
 
 import torch
 
 from services.worker.attention.base import AttentionBackend
 from services.worker.attention.torch_backend import CpuAttentionBackend, TorchAttentionBackend
+from shared.config import SETTINGS_BY_KEY, resolve_setting
 
-ENV_VAR = "PAGODA_ATTENTION_BACKEND"
+ENV_VAR = SETTINGS_BY_KEY["attention_backend"].env  # PAGODA_ATTENTION_BACKEND
 
 
 def _triton_backend() -> AttentionBackend:
@@ -42,8 +42,11 @@ def default_backend_name(device: torch.device) -> str:
 
 
 def get_attention_backend(device: torch.device, override: str | None = None) -> AttentionBackend:
-    """See the module docstring; ``override`` or the env variable wins."""
-    name = override or os.environ.get(ENV_VAR) or default_backend_name(device)
+    """See the module docstring. ``override`` (the config's ``attention_backend``) wins
+    unless it is None or ``auto``; then the setting's env variable, else the default."""
+    name = override if override not in (None, "auto") else resolve_setting("attention_backend")
+    if name == "auto":
+        name = default_backend_name(device)
     if name not in _BACKENDS:
         raise ValueError(
             f"unknown attention backend {name!r} (from {ENV_VAR} or config); "

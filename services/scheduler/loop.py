@@ -1,0 +1,293 @@
+"""The scheduler process's step loop: the core, its sockets, and a watchdog.
+
+One thread polls three sockets (see ``services/scheduler/handshake.py``) and keeps at
+most one step in flight on the workers:
+
+    idle ──(work exists)──► schedule + publish ──► in flight ──(StepResult)──► update,
+      ▲                                              │                        send outputs
+      └──────────────────────────────────────────────┴────────────────────────────┘
+
+While a step is in flight the loop keeps serving the frontends: an ``AddRequest``
+joins the waiting queue at once (the next ``schedule()`` sees it), a ``Heartbeat`` is
+answered at once, and an ``AbortRequest`` (or a vanished frontend's requests) is held
+and applied just before the step's ``update``, so the aborted sequence reports no
+token of that step and its blocks are freed while no step uses them.
+
+Forward-progress watchdog: a step with no result for ``step_timeout_s`` means a
+wedged or dead worker. Then, as when a worker's step subscription goes away, every
+request fails with ``engine_error``, every frontend that heartbeats is told (an
+engine-wide ``RequestError`` with an empty request id, which turns its /health 503),
+and ``run`` returns 1 so the process exits non-zero.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import zmq
+
+from services.scheduler.handshake import POLL_MS, EngineDeadError, SchedulerSockets
+from services.scheduler.request_router import RequestRouter, internal_id
+from services.scheduler.scheduler import RequestRejected, Scheduler
+from shared.codec import MalformedFrameCounter, encode, safe_decode
+from shared.config import PagodaConfig
+from shared.protocol import (
+    FRONTEND_TO_SCHEDULER,
+    WORKER_TO_SCHEDULER,
+    AbortRequest,
+    AddRequest,
+    EngineStats,
+    Heartbeat,
+    RequestError,
+    RequestOutput,
+    RequestOutputs,
+    StepBatch,
+    StepResult,
+)
+
+log = logging.getLogger("pagoda.scheduler")
+FRONTEND_SILENCE_S = 15.0  # heartbeats are ~1 s apart; this many seconds of silence = gone
+
+
+@dataclass
+class _InFlight:
+    batch: StepBatch
+    started: float  # time.monotonic()
+
+
+class SchedulerLoop:
+    def __init__(
+        self, scheduler: Scheduler, sockets: SchedulerSockets, config: PagodaConfig,
+        counter: MalformedFrameCounter, stop: threading.Event,
+    ) -> None:
+        self.scheduler = scheduler
+        self.sockets = sockets
+        self.config = config
+        self.counter = counter
+        self.stop = stop
+        self.router = RequestRouter()
+        self.num_workers = config.engine.tensor_parallel_size
+        self.step_timeout_s = config.process.step_timeout_s
+        self._subscribers = self.num_workers  # the handshake saw every rank subscribe
+        self._heartbeats: dict[bytes, float] = {}  # frontend identity -> last heartbeat
+        self._last_silence_check = 0.0
+        self._in_flight: _InFlight | None = None
+        # (internal ids, sample index) aborted while a step ran; applied before its update
+        self._deferred_aborts: list[tuple[list[str], int | None]] = []
+        self._poller = zmq.Poller()
+        for sock in (sockets.frontends, sockets.steps, sockets.results):
+            self._poller.register(sock, zmq.POLLIN)
+
+    # -- the loop --------------------------------------------------------------------
+    def run(self) -> int:
+        """Until the stop flag: 0 after a clean stop, 1 when the engine died."""
+        sched = self.scheduler
+        try:
+            while not self.stop.is_set():
+                if self._in_flight is None:
+                    self._take_frontend_messages()  # what arrived since: into this step
+                    if sched.has_unfinished_requests():
+                        self._launch()
+                self._serve(self._poll_timeout_ms())
+                self._check_watchdog()
+                self._drop_silent_frontends()
+            self._abort_everything("the scheduler is shutting down", code="shutting_down")
+            return 0
+        except EngineDeadError as e:
+            log.error("engine dead: %s", e)
+            self._abort_everything(f"engine error: {e}", code="engine_error")
+            self._tell_frontends_engine_dead(f"engine error: {e}")
+            return 1
+
+    def _poll_timeout_ms(self) -> int:
+        if self._in_flight is None:
+            return POLL_MS
+        left = self._in_flight.started + self.step_timeout_s - time.monotonic()
+        return max(0, min(POLL_MS, int(left * 1000) + 1))
+
+    def _serve(self, timeout_ms: int) -> None:
+        events = dict(self._poller.poll(timeout_ms))
+        s = self.sockets
+        if s.steps in events:
+            self._watch_subscriptions()
+        if s.frontends in events:
+            self._take_frontend_messages()
+        if s.results in events:
+            self._take_results()
+
+    def _launch(self) -> None:
+        batch = self.scheduler.schedule()
+        try:
+            self.sockets.steps.send(encode(batch), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            raise EngineDeadError("a worker stopped taking steps (its pipe is full)") from None
+        self._in_flight = _InFlight(batch, time.monotonic())
+
+    def _take_results(self) -> None:
+        while self.sockets.results.poll(0, zmq.POLLIN):
+            msg = safe_decode(self.sockets.results.recv_multipart(copy=False), WORKER_TO_SCHEDULER,
+                              self.counter)
+            if msg is None:
+                continue
+            flight = self._in_flight
+            if not isinstance(msg, StepResult) or flight is None or msg.step_id != flight.batch.step_id:
+                what = f"step {msg.step_id}" if isinstance(msg, StepResult) else type(msg).__name__
+                self.counter.record("scheduler_result", "stale_step", b"", what)
+                continue
+            self._in_flight = None
+            self._complete(flight.batch, msg)
+
+    def _complete(self, batch: StepBatch, result: StepResult) -> None:
+        sched = self.scheduler
+        outputs: list[RequestOutput] = []
+        deferred, self._deferred_aborts = self._deferred_aborts, []
+        for iids, index in deferred:
+            outputs += sched.abort_request(iids, index)
+        outputs += sched.update(batch, result)
+        self._send_outputs(outputs)
+        if not sched.has_unfinished_requests():
+            self._log_idle()
+
+    def _check_watchdog(self) -> None:
+        flight = self._in_flight
+        if flight is not None and time.monotonic() - flight.started > self.step_timeout_s:
+            raise EngineDeadError(
+                f"no result for step {flight.batch.step_id} within {self.step_timeout_s:g}s "
+                "(--step-timeout-s)"
+            )
+
+    def _watch_subscriptions(self) -> None:
+        # a worker's SUB subscribes to everything: exactly b"\x01" when it connects and
+        # b"\x00" when it goes away. Anything else is some other peer's noise (counted),
+        # and must not stop the engine.
+        steps = self.sockets.steps
+        while steps.poll(0, zmq.POLLIN):
+            event = steps.recv()
+            if event == b"\x01":
+                self._subscribers += 1
+            elif event == b"\x00":
+                self._subscribers -= 1
+                if self._subscribers < self.num_workers:
+                    raise EngineDeadError("a worker disconnected")
+            else:
+                self.counter.record("scheduler_step", "not_a_subscription", event[:16], "ignored")
+
+    def _log_idle(self) -> None:
+        st = self.scheduler.stats()
+        log.info(
+            "idle: running=%d waiting=%d kv_usage=%.4f prefix_hits=%d/%d preemptions=%d "
+            "invariant_failures=%d malformed_frames=%d",
+            st.running, st.waiting, st.kv_usage, st.prefix_cache_hits, st.prefix_cache_queries,
+            st.num_preemptions, st.invariant_failures, self.counter.count(),
+        )
+
+    # -- frontends -------------------------------------------------------------------
+    def _take_frontend_messages(self) -> None:
+        frontends = self.sockets.frontends
+        while frontends.poll(0, zmq.POLLIN):
+            frames = frontends.recv_multipart(copy=False)
+            msg = safe_decode(frames, FRONTEND_TO_SCHEDULER, self.counter, num_frames=2)
+            if msg is None:
+                continue
+            identity = frames[0].bytes
+            if isinstance(msg, AddRequest):
+                self._add(identity, msg)
+            elif isinstance(msg, AbortRequest):
+                own = [internal_id(identity, rid) for rid in msg.request_ids
+                       if self.router.owns(identity, rid)]  # only the owner may abort
+                self._abort(own, msg.index)
+            elif isinstance(msg, Heartbeat):
+                self._heartbeats[identity] = time.monotonic()
+                self._send(identity, self.engine_stats())
+
+    def _add(self, identity: bytes, msg: AddRequest) -> None:
+        sched, engine = self.scheduler, self.config.engine
+        if self.router.owns(identity, msg.request_id):
+            self._send_error(identity, msg.request_id, "duplicate_id",
+                             f"request id {msg.request_id!r} is already in use")
+            return
+        # the bound is on sequences that must wait: those the next step can admit into
+        # free running slots are not queued (several requests often arrive between steps)
+        free_slots = max(0, engine.max_num_seqs - len(sched.running))
+        queued = max(0, len(sched.waiting) + msg.sampling_params.n - free_slots)
+        if queued > engine.max_queued_requests:
+            self._send_error(identity, msg.request_id, "overloaded",
+                             f"{len(sched.waiting)} sequences are waiting and "
+                             f"{len(sched.running)} running; retry later")
+            return
+        iid = self.router.add(identity, msg.request_id)
+        try:
+            sched.add_request(iid, msg.prompt_token_ids, msg.sampling_params, msg.priority,
+                              arrival_time=msg.arrival_time)
+        except RequestRejected as e:
+            self.router.forget(iid)
+            self._send_error(identity, msg.request_id, e.code, str(e))
+
+    def _abort(self, iids: list[str], index: int | None = None) -> None:
+        if self._in_flight is not None:
+            self._deferred_aborts.append((iids, index))
+        else:
+            self._send_outputs(self.scheduler.abort_request(iids, index))
+
+    def engine_stats(self) -> EngineStats:
+        sched = self.scheduler
+        return sched.metrics.snapshot(sched.stats(), self.counter)
+
+    def _drop_silent_frontends(self) -> None:
+        """A frontend that heartbeats and then falls silent is gone (killed, partitioned):
+        its requests are aborted even if none of them has produced output yet."""
+        now = time.monotonic()
+        if now - self._last_silence_check < 1.0:
+            return
+        self._last_silence_check = now
+        for identity, last in list(self._heartbeats.items()):
+            if now - last > FRONTEND_SILENCE_S:
+                del self._heartbeats[identity]
+                if self.router.requests_of(identity):
+                    log.warning("frontend %s silent for %.0fs: aborting its requests",
+                                identity.hex(), now - last)
+                    self._abort(self.router.requests_of(identity))
+
+    def _send_outputs(self, outputs: list[RequestOutput]) -> None:
+        if not outputs:
+            return
+        requests = self.scheduler.requests
+        finished = {o.request_id for o in outputs if o.finished and o.request_id not in requests}
+        for identity, outs in self.router.route(outputs, finished).items():
+            self._send(identity, RequestOutputs(outs))
+
+    def _send_error(self, identity: bytes, request_id: str, code: str, message: str) -> None:
+        self._send(identity, RequestError(request_id, code, message))
+
+    def _send(self, identity: bytes, msg: RequestOutputs | RequestError | EngineStats) -> None:
+        try:
+            self.sockets.frontends.send_multipart([identity, encode(msg)], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as e:  # EHOSTUNREACH: gone; EAGAIN: not reading
+            log.warning("frontend %s unreachable (%s): aborting its requests", identity.hex(),
+                        e.strerror)
+            self._heartbeats.pop(identity, None)
+            if self.router.requests_of(identity):
+                self._abort(self.router.requests_of(identity))
+
+    # -- the end ---------------------------------------------------------------------
+    def _abort_everything(self, message: str, code: str) -> None:
+        sched, router = self.scheduler, self.router
+        for iid in router.all_requests():
+            owner = router.owner(iid)
+            sched.abort_request([iid])
+            router.forget(iid)
+            if owner is not None:
+                self._send_quietly(owner[0], RequestError(owner[1], code, message))
+
+    def _tell_frontends_engine_dead(self, message: str) -> None:
+        for identity in self._heartbeats:
+            self._send_quietly(identity, RequestError("", "engine_error", message))
+
+    def _send_quietly(self, identity: bytes, msg: RequestError) -> None:
+        try:
+            self.sockets.frontends.send_multipart([identity, encode(msg)], flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # that frontend is gone too

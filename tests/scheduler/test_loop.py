@@ -1,0 +1,226 @@
+"""The scheduler loop over real sockets, with a worker whose steps take seconds.
+
+A stand-in worker thread speaks the worker link (WorkerReady, then StepBatch ->
+StepResult through ``FakeWorker``) and holds every step until the test releases it
+or ``hold_s`` passes; the test plays a frontend on a DEALER. What is checked: the
+loop answers heartbeats and takes aborts while a step runs, applies a mid-step abort
+at that step's update (no token of it is reported, its blocks are freed), and the
+watchdog fails every request with ``engine_error`` and exits 1 when a step never ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import zmq
+from support.fake_worker import FakeWorker
+
+from services.scheduler.handshake import SchedulerSockets, wait_for_workers
+from services.scheduler.loop import SchedulerLoop
+from shared.codec import MalformedFrameCounter, encode, safe_decode
+from shared.config import Endpoints, load_config
+from shared.ipc import make_socket, private_run_dir
+from shared.protocol import (
+    SCHEDULER_TO_FRONTEND,
+    SCHEDULER_TO_WORKER,
+    AbortRequest,
+    AddRequest,
+    EngineStats,
+    Heartbeat,
+    RequestError,
+    RequestOutputs,
+    StepBatch,
+    WorkerReady,
+)
+from shared.sampling_params import SamplingParams
+
+BLOCK_SIZE = 4
+VOCAB = 1000
+
+
+@dataclass
+class HeldWorker:
+    """Rank 0 of a worker group whose every step lasts ``hold_s`` unless released."""
+
+    endpoints: Endpoints
+    hold_s: float
+    release: threading.Event = field(default_factory=threading.Event)
+    steps: list[StepBatch] = field(default_factory=list)
+    step_started: threading.Condition = field(default_factory=threading.Condition)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def run(self) -> None:
+        ctx: zmq.Context[Any] = zmq.Context()
+        sub = make_socket(ctx, zmq.SUB, self.endpoints.scheduler_step)
+        push = make_socket(ctx, zmq.PUSH, self.endpoints.scheduler_result)
+        push.send(encode(WorkerReady(0, 64, BLOCK_SIZE, 256, VOCAB, [])))
+        worker = FakeWorker(BLOCK_SIZE, VOCAB)
+        counter = MalformedFrameCounter()
+        try:
+            while not self.stop.is_set():
+                if not sub.poll(50, zmq.POLLIN):
+                    continue
+                batch = safe_decode(sub.recv_multipart(), SCHEDULER_TO_WORKER, counter)
+                assert isinstance(batch, StepBatch)
+                with self.step_started:
+                    self.steps.append(batch)
+                    self.step_started.notify_all()
+                self.release.wait(self.hold_s)
+                if self.stop.is_set():
+                    break
+                push.send(encode(worker.execute(batch)))
+        finally:
+            sub.close(linger=0)
+            push.close(linger=0)
+            ctx.term()
+
+    def wait_for_steps(self, count: int, timeout_s: float = 10.0) -> StepBatch:
+        with self.step_started:
+            assert self.step_started.wait_for(lambda: len(self.steps) >= count, timeout_s)
+            return self.steps[count - 1]
+
+
+@dataclass
+class Stack:
+    loop: SchedulerLoop
+    worker: HeldWorker
+    frontend: zmq.Socket[Any]
+    stop: threading.Event
+    result: list[int]
+    thread: threading.Thread
+
+    def send(self, msg: object) -> None:
+        self.frontend.send(encode(msg))
+
+    def recv(self, timeout_s: float = 10.0) -> object:
+        assert self.frontend.poll(int(timeout_s * 1000), zmq.POLLIN), "no message from the scheduler"
+        msg = safe_decode(self.frontend.recv_multipart(), SCHEDULER_TO_FRONTEND,
+                          MalformedFrameCounter())
+        assert msg is not None
+        return msg
+
+    def recv_until(self, kind: type, timeout_s: float = 10.0) -> tuple[Any, list[object]]:
+        """The first message of ``kind``, and every other message received before it."""
+        others: list[object] = []
+        deadline = time.monotonic() + timeout_s
+        while True:
+            msg = self.recv(max(0.01, deadline - time.monotonic()))
+            if isinstance(msg, kind):
+                return msg, others
+            others.append(msg)
+
+
+@pytest.fixture
+def stack_factory() -> Iterator[Any]:
+    started: list[Stack] = []
+    ctx: zmq.Context[Any] = zmq.Context()
+    dirs = contextlib.ExitStack()
+
+    def start(hold_s: float, step_timeout_s: float = 60.0) -> Stack:
+        run_dir = dirs.enter_context(private_run_dir())
+        endpoints = Endpoints.local(run_dir)
+        config = load_config({"block_size": BLOCK_SIZE, "step_timeout_s": step_timeout_s,
+                              "testing": True}, env={}, default_endpoints=endpoints)
+        stop = threading.Event()
+        counter = MalformedFrameCounter()
+        sockets = SchedulerSockets.bind(config)
+        worker = HeldWorker(endpoints, hold_s)
+        threading.Thread(target=worker.run, daemon=True).start()
+        sched = wait_for_workers(sockets, config, counter, stop)
+        loop = SchedulerLoop(sched, sockets, config, counter, stop)
+        result: list[int] = []
+
+        def run() -> None:
+            try:
+                result.append(loop.run())
+            finally:
+                sockets.close()
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        frontend = make_socket(ctx, zmq.DEALER, endpoints.scheduler_frontend, identity=b"fe-1")
+        stack = Stack(loop, worker, frontend, stop, result, thread)
+        started.append(stack)
+        return stack
+
+    yield start
+    for stack in started:
+        stack.stop.set()
+        stack.worker.release.set()
+        stack.worker.stop.set()
+        stack.thread.join(10)
+        stack.frontend.close(linger=0)
+    dirs.close()
+    ctx.term()
+
+
+def add(request_id: str, max_tokens: int = 50) -> AddRequest:
+    return AddRequest(request_id, [5, 6, 7, 8, 9], SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                      time.time())
+
+
+def test_heartbeats_are_answered_while_a_step_runs(stack_factory: Any) -> None:
+    stack = stack_factory(hold_s=5.0)
+    stack.send(add("r1"))
+    stack.worker.wait_for_steps(1)  # the first step is now held for 5 s
+    for _ in range(3):
+        sent = time.monotonic()
+        stack.send(Heartbeat("fe-1"))
+        stats, _ = stack.recv_until(EngineStats, timeout_s=1.0)
+        assert time.monotonic() - sent < 1.0
+        assert stats.running == 1
+    assert len(stack.worker.steps) == 1, "the step is still running"
+    stack.worker.release.set()
+    outputs, _ = stack.recv_until(RequestOutputs)
+    assert outputs.outputs[0].request_id == "r1" and outputs.outputs[0].new_token_ids
+
+
+def test_abort_mid_step_is_applied_at_that_steps_update(stack_factory: Any) -> None:
+    stack = stack_factory(hold_s=5.0)
+    stack.send(add("r1"))
+    stack.send(add("r2"))
+    first = stack.worker.wait_for_steps(1)
+    assert len(first.scheduled_request_ids) == 2
+    stack.send(AbortRequest(["r1"]))
+    stack.send(add("r3"))  # an add is taken in mid-step too
+    # a heartbeat sent after them is answered only once they were taken (one pipe, in order)
+    stack.send(Heartbeat("fe-1"))
+    stats, before = stack.recv_until(EngineStats, timeout_s=1.0)
+    assert before == [], "nothing is reported before the step ends"
+    assert stats.running == 2 and stats.waiting == 1, "the abort waits for the update"
+    stack.worker.release.set()
+    outputs, _ = stack.recv_until(RequestOutputs)
+    by_id = {o.request_id: o for o in outputs.outputs}
+    assert by_id["r1"].finish_reason == "abort" and by_id["r1"].new_token_ids == []
+    assert by_id["r2"].finish_reason is None and len(by_id["r2"].new_token_ids) == 1
+    aborted_seq = first.scheduled_request_ids[0]
+    second = stack.worker.wait_for_steps(2)
+    assert aborted_seq in second.finished_request_ids
+    assert aborted_seq not in second.scheduled_request_ids
+    assert len(second.new_requests) == 1, "r3 joins the next step"
+    stack.send(Heartbeat("fe-1"))
+    stats, _ = stack.recv_until(EngineStats)
+    assert stats.finished_abort == 1
+
+
+def test_watchdog_fails_requests_and_exits_1_when_a_step_never_ends(stack_factory: Any) -> None:
+    stack = stack_factory(hold_s=3600.0, step_timeout_s=0.5)
+    stack.send(Heartbeat("fe-1"))
+    stack.recv_until(EngineStats)
+    stack.send(add("r1"))
+    stack.worker.wait_for_steps(1)
+    started = time.monotonic()
+    error, _ = stack.recv_until(RequestError, timeout_s=5.0)
+    assert (error.request_id, error.code) == ("r1", "engine_error")
+    assert "step-timeout" in error.message
+    engine_wide, _ = stack.recv_until(RequestError, timeout_s=5.0)
+    assert (engine_wide.request_id, engine_wide.code) == ("", "engine_error")
+    stack.thread.join(5)
+    assert stack.result == [1]
+    assert time.monotonic() - started < 5.0
