@@ -109,7 +109,8 @@ class LazyExtension:
                     try:
                         self._build()
                         self._built = True
-                    except Exception as exc:  # a missing compiler, headers or source file
+                    # a missing compiler, headers or source file, whatever it raises
+                    except Exception as exc:  # noqa: BLE001 (available() never raises)
                         logger.warning("%s unavailable, build failed: %s", self._what, exc)
                         self._built = False
         return self._built

@@ -174,11 +174,11 @@ def paged_decode_attention(
         )
     group = num_heads // num_kv_heads
     upcast = interpret_mode()
-    common = dict(
-        GROUP=group, BLOCK_G=max(16, next_pow2(group)), BLOCK_SIZE=block_size,
-        TILE_N=max(16, tile_n), HEAD_DIM=head_dim, NUM_SPLITS=num_splits, UPCAST=upcast,
-        DOT_PREC="ieee" if query.dtype == torch.float32 or upcast else "tf32",
-    )
+    common = {
+        "GROUP": group, "BLOCK_G": max(16, next_pow2(group)), "BLOCK_SIZE": block_size,
+        "TILE_N": max(16, tile_n), "HEAD_DIM": head_dim, "NUM_SPLITS": num_splits,
+        "UPCAST": upcast, "DOT_PREC": "ieee" if query.dtype == torch.float32 or upcast else "tf32",
+    }
     if num_splits == 1:
         partial = lse = out  # unused by the kernel when NUM_SPLITS == 1
     else:

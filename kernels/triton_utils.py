@@ -49,7 +49,7 @@ except ImportError:  # pragma: no cover - exercised on machines without Triton
     triton = _Placeholder("triton")  # type: ignore[assignment]
     tl = _Placeholder("triton.language")  # type: ignore[assignment]
 
-__all__ = ["HAS_TRITON", "triton", "tl", "interpret_mode", "check_launchable", "next_pow2"]
+__all__ = ["HAS_TRITON", "check_launchable", "interpret_mode", "next_pow2", "tl", "triton"]
 
 
 def interpret_mode() -> bool:

@@ -107,6 +107,29 @@ def _health(address: str, timeout: float) -> int:
     return 0
 
 
+def _resolve_role_model(argv: list[str]) -> list[str]:
+    """``argv`` for a role that loads the model, with ``--model`` set to the local directory
+    of the model it names (flag > PAGODA_MODEL > default; an alias is fetched once into
+    the cache) and ``--served-model-name`` to the name as given, unless set: the services
+    take only a directory and never import pagoda (pagoda.model_fetch)."""
+    if "-h" in argv or "--help" in argv:
+        return argv
+    from pagoda.model_fetch import resolve_model, served_model_names
+    from shared.config import resolve_setting
+
+    pre = argparse.ArgumentParser(add_help=False)
+    for key in ("model", "served_model_name", "cache_dir"):
+        pre.add_argument("--" + key.replace("_", "-"), dest=key, default=None)
+    given, _ = pre.parse_known_args(argv)
+    model = resolve_setting("model", given.model)
+    served = resolve_setting("served_model_name", given.served_model_name)
+    cache_dir = resolve_setting("cache_dir", given.cache_dir)
+    model_dir = resolve_model(model, cache_dir, progress=False)
+    served = served or served_model_names(model, model_dir, cache_dir)
+    # appended last: argparse keeps the last value of a repeated flag
+    return [*argv, "--model", str(model_dir), "--served-model-name", served]
+
+
 # role subcommands hand their arguments to the role's own parser
 _ROLES = {
     "serve": ("pagoda.launcher", "serve"),
@@ -115,6 +138,8 @@ _ROLES = {
     "frontend": ("services.tokenizer.main", "main"),
     "bench": ("pagoda.bench.cli", "main"),
 }
+# the roles that load the model (the scheduler never reads it): `pagoda <role>` resolves it
+_MODEL_ROLES = ("worker", "frontend")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,8 +147,18 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in _ROLES:
         import importlib
 
-        module, func = _ROLES[argv[0]]
-        return int(getattr(importlib.import_module(module), func)(argv[1:]) or 0)
+        role, role_argv = argv[0], argv[1:]
+        if role in _MODEL_ROLES:
+            from pagoda.model_fetch import ModelError
+            from shared.config import ConfigError
+
+            try:
+                role_argv = _resolve_role_model(role_argv)
+            except (ConfigError, ModelError) as e:  # a bad name or variable: 2; a failed fetch: 1
+                print(f"pagoda {role}: {e}", file=sys.stderr)
+                return 2 if isinstance(e, ValueError) else 1
+        module, func = _ROLES[role]
+        return int(getattr(importlib.import_module(module), func)(role_argv) or 0)
     args = _build_parser().parse_args(argv)
     if args.command == "fetch":
         from pagoda.model_fetch import fetch_main

@@ -22,13 +22,14 @@ on its event loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 import zmq
 import zmq.asyncio
@@ -243,7 +244,7 @@ class Client(_Base):
         self._sock.close()
         self._ctx.term()
 
-    def __enter__(self) -> Client:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -331,7 +332,7 @@ class AsyncClient(_Base):
         self._sock.close()
         self._ctx.term()
 
-    async def __aenter__(self) -> AsyncClient:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -397,7 +398,7 @@ class AsyncStream(AsyncIterator[GenerateOutput]):
     async def aclose(self) -> None:
         self._end(abort=True)
 
-    async def __aenter__(self) -> AsyncStream:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -413,7 +414,6 @@ class AsyncStream(AsyncIterator[GenerateOutput]):
 
     def __del__(self) -> None:
         if self._open:  # abandoned mid-stream (a `break` without `async with`)
-            try:
+            # a finalizer must not raise, whatever state the loop or socket is in
+            with contextlib.suppress(Exception):
                 self._end(abort=True)
-            except Exception:
-                pass

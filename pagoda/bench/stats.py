@@ -21,6 +21,7 @@ Percentiles interpolate linearly between order statistics (numpy's default metho
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -69,7 +70,7 @@ class RequestRecord:
     @property
     def itls(self) -> list[float]:
         times = [t for t, n in self.chunks if n > 0]
-        return [b - a for a, b in zip(times, times[1:])]
+        return [b - a for a, b in itertools.pairwise(times)]
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -159,7 +159,9 @@ def parse_records(text: str) -> list[PromptRecord]:
 
 def _record(i: int, item: Any) -> PromptRecord:
     if not isinstance(item, dict):
-        raise ValueError(f"record {i}: expected a JSON object, got {type(item).__name__}")
+        # a malformed file, not a programming error: ValueError like every record error
+        raise ValueError(  # noqa: TRY004
+            f"record {i}: expected a JSON object, got {type(item).__name__}")
     out_len = item.get("output_len", item.get("max_tokens"))
     if "conversations" in item:
         turns = item["conversations"]

@@ -1,4 +1,4 @@
-"""The frontend's link to the scheduler: a DEALER, asyncio, one queue per request.
+"""The frontend's link to the scheduler: a DEALER, asyncio, feeding the output processor.
 
 The scheduler binds a ROUTER; this frontend connects a DEALER whose ZMQ identity is
 its frontend id, so the scheduler knows which frontend owns each request and sends
@@ -6,11 +6,13 @@ each step's outputs (``RequestOutputs``) back to it alone. Request ids sent upst
 are minted here from a counter: unique per frontend, which is all the scheduler needs
 since it scopes ids by frontend identity. Client ids never cross this link.
 
-``add`` sends an ``AddRequest`` and returns an ``EngineRequest`` whose queue receives
-that request's ``RequestOutput``s (or one ``RequestError``); ``abort`` sends an
-``AbortRequest``. One receive task decodes with ``safe_decode`` and never raises:
-malformed frames are dropped and counted, outputs for ids no longer held (aborted
-here, the scheduler catching up) are ignored.
+``add`` registers a ``RequestState`` with the ``OutputProcessor`` and sends an
+``AddRequest``; ``abort`` ends samples here and sends an ``AbortRequest``. One receive
+task decodes with ``safe_decode`` (never raises: malformed frames are dropped and
+counted) and hands each step's outputs straight to the output processor, which puts
+them into their client requests' sinks; samples a stop string ended are aborted
+upstream from here. A ``RequestError`` fails its request's sink; an ``engine_error``
+(per request, or engine-wide with an empty id) marks the engine dead for /health.
 """
 
 from __future__ import annotations
@@ -20,15 +22,17 @@ import contextlib
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
+from collections import defaultdict
+from collections.abc import Sequence
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
+from services.tokenizer.engine_stats import EngineStatsView
+from services.tokenizer.output_processor import OutputProcessor, RequestState
 from shared.codec import MalformedFrameCounter, encode, safe_decode
 from shared.ipc import make_socket
-from services.tokenizer.engine_stats import EngineStatsView
 from shared.protocol import (
     SCHEDULER_TO_FRONTEND,
     AbortRequest,
@@ -36,32 +40,12 @@ from shared.protocol import (
     EngineStats,
     Heartbeat,
     RequestError,
-    RequestOutput,
     RequestOutputs,
 )
 from shared.sampling_params import SamplingParams
 
 log = logging.getLogger("pagoda.frontend.engine")
 HEARTBEAT_S = 1.0
-
-EngineEvent = RequestOutput | RequestError
-
-
-@dataclass
-class EngineRequest:
-    """A request held at the scheduler; read its outputs with ``await get()``."""
-
-    request_id: str
-    num_samples: int
-    queue: asyncio.Queue[EngineEvent] = field(default_factory=asyncio.Queue)
-    finished_indices: set[int] = field(default_factory=set)
-
-    async def get(self) -> EngineEvent:
-        return await self.queue.get()
-
-    @property
-    def finished(self) -> bool:
-        return len(self.finished_indices) >= self.num_samples
 
 
 class EngineClient:
@@ -80,12 +64,12 @@ class EngineClient:
     ) -> None:
         self.frontend_id = frontend_id
         self.stats = stats
+        self.outputs = OutputProcessor()
         self._heartbeat_s = heartbeat_s
         self._heartbeat_task: asyncio.Task[None] | None = None
         opts: dict[str, Any] = {} if hwm is None else {"sndhwm": hwm, "rcvhwm": hwm}
         self._sock = make_socket(ctx, zmq.DEALER, address, identity=frontend_id.encode(), **opts)
         self._counter = counter
-        self._requests: dict[str, EngineRequest] = {}
         self._ids = itertools.count()
         self._recv_task: asyncio.Task[None] | None = None
 
@@ -113,42 +97,39 @@ class EngineClient:
 
     @property
     def num_requests(self) -> int:
-        return len(self._requests)
-
-    def request_ids(self) -> list[str]:
-        return list(self._requests)
+        return len(self.outputs)
 
     # -- requests -------------------------------------------------------------------------
+    def new_request_id(self) -> str:
+        return str(next(self._ids))
+
     async def add(
-        self, prompt_token_ids: list[int], sampling_params: SamplingParams, *, priority: int = 0
-    ) -> EngineRequest:
-        request_id = str(next(self._ids))
-        req = EngineRequest(request_id, sampling_params.n)
+        self, state: RequestState, prompt_token_ids: list[int], sampling_params: SamplingParams,
+        *, priority: int = 0,
+    ) -> None:
+        """Send a request upstream; its outputs go to ``state`` (id from new_request_id)."""
         # registered before the send, so no output can arrive for an id we do not hold
-        self._requests[request_id] = req
-        msg = AddRequest(request_id, prompt_token_ids, sampling_params, time.time(), priority)
+        self.outputs.add(state)
+        msg = AddRequest(state.engine_request_id, prompt_token_ids, sampling_params, time.time(),
+                         priority)
         try:
             await self._sock.send(encode(msg))
         except BaseException:
-            self._requests.pop(request_id, None)
+            self.outputs.end(state.engine_request_id, deliver=False)
             raise
-        return req
 
-    async def abort(self, request_ids: list[str], index: int | None = None) -> None:
-        """Abort requests (or one sample of each) at the scheduler; stop holding them.
+    async def abort(self, request_ids: Sequence[str], index: int | None = None,
+                    deliver: bool = True) -> None:
+        """End requests (or one sample of each) here and at the scheduler.
 
-        Whole requests are dropped at once: later outputs for them are ignored. A single
-        sample counts as finished here; the request is dropped when all samples are.
+        The ended samples' last outputs (finish_reason "abort") go to their sinks unless
+        ``deliver`` is false (the client is gone). Idempotent: ids no longer held are
+        left alone.
         """
-        held = [r for r in request_ids if r in self._requests]
-        if not held:
-            return
-        for rid in held:
-            if index is None:
-                del self._requests[rid]
-            else:
-                self._mark_finished(self._requests[rid], index)
-        await self._sock.send(encode(AbortRequest(held, index)))
+        indices = None if index is None else [index]
+        held = [r for r in request_ids if self.outputs.end(r, indices, deliver)]
+        if held:
+            await self._sock.send(encode(AbortRequest(held, index)))
 
     async def _heartbeat_loop(self) -> None:
         """Liveness both ways: the scheduler answers with EngineStats (our /health and
@@ -179,30 +160,26 @@ class EngineClient:
                 continue
             msg = safe_decode(frames, SCHEDULER_TO_FRONTEND, self._counter)
             if msg is not None:
-                self._dispatch(msg)
+                try:
+                    await self._dispatch(msg)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:  # a bug in one output must not end the receive loop
+                    log.exception("processing a %s failed", type(msg).__name__)
 
-    def _dispatch(self, msg: RequestOutputs | RequestError | EngineStats) -> None:
+    async def _dispatch(self, msg: RequestOutputs | RequestError | EngineStats) -> None:
         if isinstance(msg, EngineStats):
             if self.stats is not None:
                 self.stats.update(msg)
-            return
-        if isinstance(msg, RequestError):
+        elif isinstance(msg, RequestError):
             if msg.code == "engine_error" and self.stats is not None:
                 self.stats.mark_engine_dead(msg.message)
-            req = self._requests.pop(msg.request_id, None)
-            if req is not None:
-                req.queue.put_nowait(msg)
-            return
-        for out in msg.outputs:
-            req = self._requests.get(out.request_id)
-            if req is None:
-                continue  # aborted here already, or not ours
-            req.queue.put_nowait(out)
-            if out.finish_reason is not None:
-                self._mark_finished(req, out.index)
-
-    def _mark_finished(self, req: EngineRequest, index: int) -> None:
-        if 0 <= index < req.num_samples:
-            req.finished_indices.add(index)
-        if req.finished:
-            self._requests.pop(req.request_id, None)
+            self.outputs.fail(msg.request_id, msg.code, msg.message)
+        else:
+            stopped = self.outputs.process(msg.outputs)
+            if stopped:  # ended here by a stop string; the scheduler would keep decoding them
+                by_index: dict[int, list[str]] = defaultdict(list)
+                for request_id, index in stopped:
+                    by_index[index].append(request_id)
+                for index, ids in by_index.items():
+                    await self._sock.send(encode(AbortRequest(ids, index)))

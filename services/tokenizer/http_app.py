@@ -6,14 +6,16 @@
 - ``GET /health``: 200 ``ok``, or 503 with the reason (draining, engine unreachable);
 - ``GET /metrics``: Prometheus text from the engine figures every frontend receives.
 
-Request bodies are ``http_protocol``'s models; responses are shaped by
-``http_responses``; running requests is ``HttpApi``'s job; errors are ``http_errors``'s.
+Request bodies are ``http_protocol``'s models (they become ``PromptInput``s); responses
+are shaped by ``http_responses``; running requests is ``HttpRequests``'s job
+(``http_requests.py``); errors are ``http_errors``'s. The server around the app is
+``http_api.py``.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
@@ -29,55 +31,53 @@ from services.tokenizer.http_protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    chat_turns,
     check_model,
 )
+from services.tokenizer.http_requests import HttpRequests
 from services.tokenizer.http_responses import ResponseBuilder
-from services.tokenizer.input_processor import InvalidRequest
-from shared.protocol import ChatMessage, GenerateRequest
+from services.tokenizer.input_processor import InputProcessor, InvalidRequest, PromptInput
 from shared.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
-    from services.tokenizer.http_api import HttpApi
 
-
-def build_app(api: HttpApi, max_body_bytes: int) -> FastAPI:
+def build_app(api: HttpRequests, max_body_bytes: int) -> FastAPI:
     app = FastAPI(title="pagoda", summary="OpenAI-compatible API of a pagoda frontend")
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     created = int(time.time())
-    tokenizer = api.processor.tokenizer
+    core = api.core
+    processor, tokenizer, model_names = core.processor, core.tokenizer, list(core.served_model_names)
 
     def model_of(requested: str | None) -> str:
-        check_model(requested, api.model_names)
-        return requested or api.model_names[0]
+        check_model(requested, model_names)
+        return requested or model_names[0]
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         model = model_of(body.model)
-        response_id = api.new_request_id("cmpl")
-        reqs = body.generate_requests(response_id)
-        echo = [_prompt_text(api, r) for r in reqs] if body.echo else None
-        builder = ResponseBuilder("completion", response_id, model, tokenizer,
-                                  reqs[0].sampling_params.n, echo=echo,
+        prompts = body.prompt_inputs()
+        echo = [_prompt_text(processor, p) for p in prompts] if body.echo else None
+        builder = ResponseBuilder("completion", api.new_response_id("cmpl"), model, tokenizer,
+                                  prompts[0].sampling_params.n, echo=echo,
                                   logprobs=body.logprobs is not None,
                                   include_usage=body.include_usage)
-        return await api.generate(request, reqs, builder, bool(body.stream))
+        return await api.generate(request, prompts, builder, bool(body.stream))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         model = model_of(body.model)
-        response_id = api.new_request_id("chatcmpl")
-        req = body.generate_request(response_id)
-        builder = ResponseBuilder("chat", response_id, model, tokenizer, req.sampling_params.n,
-                                  logprobs=bool(body.logprobs), include_usage=body.include_usage)
-        return await api.generate(request, [req], builder, bool(body.stream))
+        prompt = body.prompt_input()
+        builder = ResponseBuilder("chat", api.new_response_id("chatcmpl"), model, tokenizer,
+                                  prompt.sampling_params.n, logprobs=bool(body.logprobs),
+                                  include_usage=body.include_usage)
+        return await api.generate(request, [prompt], builder, bool(body.stream))
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        name = api.model_names[0]
+        name = model_names[0]
         return {"object": "list", "data": [{
             "id": name, "object": "model", "created": created, "owned_by": "pagoda",
-            "root": name, "parent": None, "max_model_len": api.max_model_len}]}
+            "root": name, "parent": None, "max_model_len": core.max_model_len}]}
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
@@ -86,22 +86,21 @@ def build_app(api: HttpApi, max_body_bytes: int) -> FastAPI:
             raise bad_request("exactly one of prompt and messages must be given")
         try:
             if body.prompt is not None:
-                token_ids = api.processor.tokenize(body.prompt)
+                token_ids = processor.tokenize(body.prompt)
             else:
-                req = GenerateRequest("tokenize", SamplingParams(), add_generation_prompt=(
-                    body.add_generation_prompt), messages=[
-                    ChatMessage(m.role, m.text()) for m in body.messages or []])
-                token_ids = api.processor.tokenize(api.processor.render_chat(req))
+                chat = PromptInput(SamplingParams(), messages=chat_turns(body.messages or []),
+                                   add_generation_prompt=body.add_generation_prompt)
+                token_ids = processor.tokenize(processor.render_chat(chat))
         except InvalidRequest as e:
             raise bad_request(str(e)) from None
-        return {"count": len(token_ids), "max_model_len": api.max_model_len,
+        return {"count": len(token_ids), "max_model_len": core.max_model_len,
                 "tokens": token_ids, "token_strs": None}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         model_of(body.model)
         try:
-            return {"prompt": api.processor.detokenize(body.tokens)}
+            return {"prompt": processor.detokenize(body.tokens)}
         except InvalidRequest as e:
             raise bad_request(str(e), "tokens") from None
 
@@ -124,11 +123,11 @@ def build_app(api: HttpApi, max_body_bytes: int) -> FastAPI:
     return app
 
 
-def _prompt_text(api: HttpApi, req: GenerateRequest) -> str:
+def _prompt_text(processor: InputProcessor, req: PromptInput) -> str:
     """What ``echo`` puts before a completion: the prompt as given, or its ids decoded."""
     if req.prompt is not None:
         return req.prompt
     try:
-        return api.processor.detokenize(req.prompt_token_ids or [])
+        return processor.detokenize(req.prompt_token_ids or [])
     except InvalidRequest:
         return ""  # out of vocabulary: the request fails validation next anyway

@@ -2,8 +2,8 @@
 
 Every body forbids unknown fields, so a parameter we do not implement (``suffix``,
 ``logit_bias``, ``tools``, ...) is a 400 naming it, never silently ignored; non-finite
-numbers (JSON ``NaN``/``Infinity``) are refused. A body becomes one ``GenerateRequest``
-per prompt with one ``SamplingParams``; the range checks are ``SamplingParams``'s own,
+numbers (JSON ``NaN``/``Infinity``) are refused. A body becomes one ``PromptInput`` (the
+frontend's own type, not a wire message) per prompt with one ``SamplingParams``; the range checks are ``SamplingParams``'s own,
 so the HTTP API, the native API and the scheduler agree on what is valid.
 """
 
@@ -14,7 +14,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from services.tokenizer.http_errors import ApiError, bad_request
-from shared.protocol import ChatMessage, GenerateRequest
+from services.tokenizer.input_processor import ChatTurn, PromptInput
 from shared.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
 
 MAX_PROMPTS = 256  # prompts in one completions request
@@ -103,13 +103,11 @@ class CompletionRequest(_Sampling):
                               "prompt")
         return prompts
 
-    def generate_requests(self, request_id: str) -> list[GenerateRequest]:
+    def prompt_inputs(self) -> list[PromptInput]:
         params = self.sampling_params()
-        return [GenerateRequest(f"{request_id}-{i}", params,
-                                prompt=p if isinstance(p, str) else None,
-                                prompt_token_ids=None if isinstance(p, str) else p,
-                                stream=bool(self.stream))
-                for i, p in enumerate(self.prompts())]
+        return [PromptInput(params, prompt=p if isinstance(p, str) else None,
+                            prompt_token_ids=None if isinstance(p, str) else p)
+                for p in self.prompts()]
 
 
 class TextPart(_Body):
@@ -145,12 +143,10 @@ class ChatCompletionRequest(_Sampling):
             max_tokens = self.max_tokens  # None: the room left after the prompt
         return self._params(max_tokens, logprobs)
 
-    def generate_request(self, request_id: str) -> GenerateRequest:
+    def prompt_input(self) -> PromptInput:
         if not self.messages:
             raise bad_request("messages must not be empty", "messages")
-        messages = [ChatMessage(m.role, m.text()) for m in self.messages]
-        return GenerateRequest(request_id, self.sampling_params(), messages=messages,
-                               stream=bool(self.stream))
+        return PromptInput(self.sampling_params(), messages=chat_turns(self.messages))
 
 
 class TokenizeRequest(_Body):
@@ -160,6 +156,10 @@ class TokenizeRequest(_Body):
     prompt: str | None = None
     messages: list[ChatMessageBody] | None = None
     add_generation_prompt: bool = True
+
+
+def chat_turns(messages: list[ChatMessageBody]) -> list[ChatTurn]:
+    return [ChatTurn(m.role, m.text()) for m in messages]
 
 
 class DetokenizeRequest(_Body):

@@ -1,4 +1,4 @@
-"""OpenAI response objects of the HTTP API, built from the frontend's ``GenerateOutput``s.
+"""OpenAI response objects of the HTTP API, built from the frontend's ``SampleOutput``s.
 
 One ``ResponseBuilder`` per HTTP request shapes its outputs as a whole response
 (``text_completion`` / ``chat.completion``) or as SSE chunks (the same objects, chat as
@@ -15,7 +15,8 @@ import time
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from shared.protocol import GenerateOutput, TokenLogprobs
+from services.tokenizer.output_processor import SampleOutput
+from shared.protocol import TokenLogprobs
 
 Kind = Literal["completion", "chat"]
 
@@ -39,9 +40,9 @@ class ResponseBuilder:
         self._started: set[int] = set()  # choices whose first chunk went out
 
     # -- usage ------------------------------------------------------------------------------
-    def _note(self, prompt_index: int, out: GenerateOutput) -> int:
-        choice = prompt_index * self._n + out.index
-        self._prompt_tokens[prompt_index] = out.num_prompt_tokens
+    def _note(self, out: SampleOutput) -> int:
+        choice = out.prompt_index * self._n + out.index
+        self._prompt_tokens[out.prompt_index] = out.num_prompt_tokens
         self._output_tokens[choice] = out.num_output_tokens
         return choice
 
@@ -52,11 +53,12 @@ class ResponseBuilder:
                 "total_tokens": prompt + completion}
 
     # -- whole responses ------------------------------------------------------------------------
-    def whole(self, outputs: Sequence[tuple[int, GenerateOutput]]) -> dict[str, Any]:
+    def whole(self, outputs: Sequence[SampleOutput]) -> dict[str, Any]:
         """The non-streaming body, from each sample's single (final) output."""
         choices = []
-        for prompt_index, out in outputs:
-            choice = self._note(prompt_index, out)
+        for out in outputs:
+            prompt_index = out.prompt_index
+            choice = self._note(out)
             text = out.text
             if self.kind == "completion":
                 if self._echo is not None:
@@ -77,9 +79,10 @@ class ResponseBuilder:
                 "usage": self.usage()}
 
     # -- stream chunks ------------------------------------------------------------------------
-    def chunks(self, prompt_index: int, out: GenerateOutput) -> list[dict[str, Any]]:
+    def chunks(self, out: SampleOutput) -> list[dict[str, Any]]:
         """The SSE chunks for one streamed output (none for an empty delta)."""
-        choice = self._note(prompt_index, out)
+        prompt_index = out.prompt_index
+        choice = self._note(out)
         first = choice not in self._started
         self._started.add(choice)
         if self.kind == "completion":
@@ -129,7 +132,7 @@ class ResponseBuilder:
             return f"token_id:{token_id}"
         return str(self._tokenizer.decode([token_id]))
 
-    def _completion_logprobs(self, choice: int, out: GenerateOutput,
+    def _completion_logprobs(self, choice: int, out: SampleOutput,
                              echo_chars: int = 0) -> dict[str, Any] | None:
         if not self._logprobs:
             return None
@@ -151,7 +154,7 @@ class ResponseBuilder:
         top.setdefault(self._token_text(token_id), lp.logprob)
         return top
 
-    def _chat_logprobs(self, out: GenerateOutput) -> dict[str, Any] | None:
+    def _chat_logprobs(self, out: SampleOutput) -> dict[str, Any] | None:
         if not self._logprobs:
             return None
         content = []

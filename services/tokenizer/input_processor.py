@@ -1,12 +1,14 @@
-"""The frontend's input side: model limits, the tokenizer, and request validation.
+"""The frontend's input side: model limits, the tokenizer, and prompt validation.
 
-A ``GenerateRequest`` from a client (or, later, an HTTP body turned into one) becomes
-the prompt token ids and resolved ``SamplingParams`` of an ``AddRequest`` here, or an
-``InvalidRequest`` naming what is wrong, so a bad request never reaches the scheduler
-(RELIABILITY.md: validate after defaults are resolved). Tokenization and chat templates
-follow ``pagoda/llm.py``: ``tokenizer(prompt)["input_ids"]``, and
-``apply_chat_template(..., tokenize=False)`` then that, so the service and the offline
-engine give a prompt the same tokens.
+Every API turns what its client sent into ``PromptInput``s (the frontend's own type:
+the native API from a ``GenerateRequest``, the HTTP API from its JSON bodies, the
+offline ``LLM`` from its arguments), and each becomes the prompt token ids and resolved
+``SamplingParams`` of an ``AddRequest`` here, or an ``InvalidRequest`` naming what is
+wrong, so a bad request never reaches the scheduler (RELIABILITY.md: validate after
+defaults are resolved). Tokenization is ``tokenizer(prompt)["input_ids"]``, chat is
+``apply_chat_template(..., tokenize=False)`` then that: one way for every API, so the
+service and the offline engine give a prompt the same tokens. ``load_tokenizer`` is the
+one tokenizer loader of the project.
 
 Sampling parameters were already range-checked by the codec's typed decode (the
 ``SamplingParams`` constructor validates); what needs the model (vocab, lengths) is
@@ -22,10 +24,7 @@ from typing import Any
 
 import msgspec
 
-from shared.protocol import GenerateRequest
 from shared.sampling_params import SamplingParams
-
-MAX_REQUEST_ID_CHARS = 256
 
 
 class InvalidRequest(ValueError):
@@ -43,7 +42,24 @@ class ModelLimits:
 
 
 @dataclass(frozen=True)
-class ProcessedRequest:
+class ChatTurn:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class PromptInput:
+    """One prompt of a client request; exactly one of prompt, prompt_token_ids, messages."""
+
+    sampling_params: SamplingParams
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[ChatTurn] | None = None  # rendered through the model's chat template
+    add_generation_prompt: bool = True
+
+
+@dataclass(frozen=True)
+class ProcessedPrompt:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams  # max_tokens resolved (never None)
 
@@ -59,7 +75,9 @@ def load_limits(model_dir: Path, max_model_len: int | None = None) -> ModelLimit
     vocab_size = config.get("vocab_size") or text.get("vocab_size")
     max_pos = config.get("max_position_embeddings") or text.get("max_position_embeddings")
     if not isinstance(vocab_size, int) or not isinstance(max_pos, int):
-        raise ValueError(f"{model_dir}/config.json lacks vocab_size or max_position_embeddings")
+        # a ValueError, not a TypeError: a bad model directory is a start-up error the
+        # frontend reports as such
+        raise ValueError(f"{model_dir}/config.json lacks vocab_size or max_position_embeddings")  # noqa: TRY004
     if max_model_len is None:
         max_model_len = max_pos
     elif not 1 < max_model_len <= max_pos:
@@ -91,20 +109,22 @@ def load_tokenizer(model_dir: Path) -> Any | None:
 
 
 class InputProcessor:
-    """GenerateRequest -> ProcessedRequest, or InvalidRequest. No I/O, no state."""
+    """PromptInput -> ProcessedPrompt, or InvalidRequest. No I/O, no state."""
 
     def __init__(self, tokenizer: Any | None, limits: ModelLimits) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
 
-    def process(self, req: GenerateRequest) -> ProcessedRequest:
-        if not req.request_id or len(req.request_id) > MAX_REQUEST_ID_CHARS:
-            raise InvalidRequest(f"request_id must be 1..{MAX_REQUEST_ID_CHARS} characters")
+    def process(self, req: PromptInput) -> ProcessedPrompt:
         token_ids = self._prompt_token_ids(req)
         params = self._resolve_params(req.sampling_params, len(token_ids))
-        return ProcessedRequest(token_ids, params)
+        return ProcessedPrompt(token_ids, params)
 
-    def _prompt_token_ids(self, req: GenerateRequest) -> list[int]:
+    def process_all(self, reqs: list[PromptInput]) -> list[ProcessedPrompt]:
+        """Every prompt of one client request, all valid before any reaches the engine."""
+        return [self.process(r) for r in reqs]
+
+    def _prompt_token_ids(self, req: PromptInput) -> list[int]:
         given = [name for name in ("prompt", "prompt_token_ids", "messages")
                  if getattr(req, name) is not None]
         if len(given) != 1:
@@ -138,7 +158,7 @@ class InputProcessor:
         """Token ids of ``text`` as a prompt is tokenized (special tokens included)."""
         return self._tokenize(text)
 
-    def render_chat(self, req: GenerateRequest) -> str:
+    def render_chat(self, req: PromptInput) -> str:
         """``req.messages`` through the chat template, or ``InvalidRequest``."""
         return self._render_chat(req)
 
@@ -146,7 +166,7 @@ class InputProcessor:
         self._check_vocab(token_ids, "tokens")
         return str(self._require_tokenizer().decode(token_ids))
 
-    def _render_chat(self, req: GenerateRequest) -> str:
+    def _render_chat(self, req: PromptInput) -> str:
         if not req.messages:
             raise InvalidRequest("messages must not be empty")
         tokenizer = self._require_tokenizer()
@@ -157,7 +177,7 @@ class InputProcessor:
             text = tokenizer.apply_chat_template(
                 conversation, tokenize=False, add_generation_prompt=req.add_generation_prompt
             )
-        except Exception as e:  # jinja raises TemplateError for e.g. a role it refuses
+        except Exception as e:  # noqa: BLE001 -- templates raise TemplateError, TypeError, ... for bad input
             raise InvalidRequest(f"the chat template refused the messages: {e}"[:500]) from None
         if not isinstance(text, str) or not text:
             raise InvalidRequest("the chat template rendered no text")

@@ -8,9 +8,10 @@ Any number of these run side by side; each binds its own native-API ROUTER at
 ``frontend-<I>-<host>-<pid>`` (the host keeps compose replicas, which share an index
 and may share a pid, apart). Start-up: load the tokenizer and the model's limits from
 the model directory, bind, report ready (a line on stdout, and through ``--ready-fd``
-for a parent). One asyncio loop (uvloop) runs every API of the process over one
-``FrontendCore``: today the native ZMQ API; the HTTP API (FastAPI, a later issue)
-plugs in as another ``FrontendApi`` on the same core and the same engine client.
+for a parent). One asyncio loop (uvloop) runs every API of the process (the native ZMQ
+API and the OpenAI-compatible HTTP API) over one ``FrontendCore`` (``frontend_core.py``:
+the tokenizer and the engine client). ``--model`` is a model directory: ``pagoda
+frontend`` and ``pagoda serve`` resolve names such as ``smollm2`` before starting it.
 
 SIGTERM/SIGINT: stop accepting (new requests get ``overloaded``), let in-flight ones
 finish for up to ``--shutdown-timeout-s``, abort the rest at the scheduler (clients get
@@ -28,15 +29,15 @@ import os
 import signal
 import socket
 import sys
-from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import zmq
 import zmq.asyncio
 
-from pagoda.model_fetch import resolve_model
 from services.tokenizer.engine_client import EngineClient
 from services.tokenizer.engine_stats import EngineStatsView
+from services.tokenizer.frontend_core import FrontendCore
 from services.tokenizer.http_api import HttpApi
 from services.tokenizer.input_processor import InputProcessor, load_limits, load_tokenizer
 from services.tokenizer.native_api import NativeApi
@@ -49,7 +50,7 @@ DRAIN_POLL_S = 0.05  # how often the drain looks at the in-flight count
 
 
 class FrontendApi(Protocol):
-    """One client-facing API of a frontend process (native ZMQ now, HTTP later)."""
+    """One client-facing API of a frontend process (native ZMQ, HTTP)."""
 
     @property
     def num_inflight(self) -> int: ...
@@ -63,15 +64,15 @@ class FrontendApi(Protocol):
     async def close(self) -> None: ...
 
 
-@dataclass
-class FrontendCore:
-    """What every API of the process shares: one tokenizer, one scheduler link."""
-
-    frontend_id: str
-    processor: InputProcessor
-    engine: EngineClient
-    counter: MalformedFrameCounter
-    stats: EngineStatsView  # engine liveness (/health) and figures (/metrics)
+def served_model_names(model_dir: str, served_model_name: str | None) -> tuple[str, ...]:
+    """The ids requests may name: the served names (comma-separated, the first is the one
+    responses report, as vLLM's ``--served-model-name``), then the directory and its base
+    name."""
+    names = [n.strip() for n in (served_model_name or "").split(",") if n.strip()]
+    for name in (model_dir, os.path.basename(os.path.normpath(model_dir))):
+        if name and name not in names:
+            names.append(name)
+    return tuple(names)
 
 
 def make_frontend_id(index: int) -> str:
@@ -84,11 +85,8 @@ def build_apis(core: FrontendCore, ctx: zmq.asyncio.Context, config: PagodaConfi
     proc = config.process
     http = HttpApi(core, config)  # binds http_host:http_port (SO_REUSEPORT)
     try:
-        native = NativeApi(
-            ctx, config.endpoints.frontend_native[proc.frontend_index], core.engine,
-            core.processor, core.counter, hwm=proc.socket_hwm,
-            allow_wildcard=proc.allow_wildcard_bind,
-        )
+        native = NativeApi(ctx, config.endpoints.frontend_native[proc.frontend_index], core,
+                           hwm=proc.socket_hwm, allow_wildcard=proc.allow_wildcard_bind)
     except BaseException:
         http.discard()
         raise
@@ -126,7 +124,10 @@ class _Signals:
 
 async def _run(config: PagodaConfig, ready_fd: int | None, signals: _Signals) -> int:
     proc = config.process
-    model_dir = resolve_model(config.engine.model, proc.cache_dir, progress=False)
+    model_dir = Path(config.engine.model).expanduser()
+    if not model_dir.is_dir():
+        raise ValueError(f"{config.engine.model!r} is not a model directory; start roles through "
+                         "`pagoda <role>`, which resolves model names")
     limits = load_limits(model_dir, config.engine.max_model_len)
     processor = InputProcessor(load_tokenizer(model_dir), limits)
     frontend_id = make_frontend_id(proc.frontend_index)
@@ -135,7 +136,8 @@ async def _run(config: PagodaConfig, ready_fd: int | None, signals: _Signals) ->
     stats = EngineStatsView(frontend_id, counter)
     engine = EngineClient(ctx, config.endpoints.scheduler_frontend, frontend_id, counter,
                           hwm=proc.socket_hwm, stats=stats)
-    core = FrontendCore(frontend_id, processor, engine, counter, stats)
+    core = FrontendCore(frontend_id, processor, engine, counter, stats,
+                        served_model_names(config.engine.model, proc.served_model_name))
     apis: list[FrontendApi] = []
     try:
         apis = build_apis(core, ctx, config)

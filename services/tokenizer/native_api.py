@@ -2,10 +2,11 @@
 
 Clients send ``GenerateRequest`` and ``AbortRequest`` (their own request ids, scoped
 per client connection: the key of a request is (client identity, client request id)).
-Per request, ``RequestRunner`` (shared with the HTTP API) validates and tokenizes it
+A ``GenerateRequest`` becomes a ``PromptInput``, is validated by the ``FrontendCore``
 (a bad request gets a typed ``RequestError`` and nothing reaches the scheduler) and
-adds it upstream; then one task pumps its ``RunningRequest`` outputs back to the client
-as ``GenerateOutput``s (stop strings and their upstream aborts happen in the runner).
+submitted as one ``ClientRequest`` whose sink writes into this API's outbox. One
+sender task drains the outbox to the ROUTER as ``GenerateOutput``s: a token reaches the
+client through that one queue, with no task per request.
 
 Sends never wait on a client: they use NOBLOCK on a ROUTER_MANDATORY socket, so a
 client that vanished (EHOSTUNREACH) or stopped reading until its pipe filled (EAGAIN)
@@ -19,16 +20,15 @@ import asyncio
 import contextlib
 import logging
 import os
-from dataclasses import dataclass
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
-from services.tokenizer.engine_client import EngineClient
-from services.tokenizer.input_processor import InputProcessor, InvalidRequest
-from services.tokenizer.request_runner import RequestFailed, RequestRunner, RunningRequest
-from shared.codec import MalformedFrameCounter, encode, safe_decode
+from services.tokenizer.frontend_core import ClientRequest, FrontendCore
+from services.tokenizer.input_processor import ChatTurn, InvalidRequest, PromptInput
+from services.tokenizer.output_processor import OutputItem, RequestFailed, SampleOutput
+from shared.codec import encode, safe_decode
 from shared.ipc import make_socket
 from shared.protocol import (
     CLIENT_TO_FRONTEND,
@@ -40,14 +40,30 @@ from shared.protocol import (
 
 log = logging.getLogger("pagoda.frontend.native")
 
+MAX_REQUEST_ID_CHARS = 256
 ClientKey = tuple[bytes, str]  # (client identity, client request id)
+# (who, what, whether it is the request's last output)
+_Outgoing = tuple[ClientKey, OutputItem, bool]
 
 
-@dataclass
-class _Handle:
-    identity: bytes
-    run: RunningRequest
-    task: asyncio.Task[None] | None = None
+def prompt_input(req: GenerateRequest) -> PromptInput:
+    """The frontend's view of a native request (the wire type stays on this link)."""
+    if not req.request_id or len(req.request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequest(f"request_id must be 1..{MAX_REQUEST_ID_CHARS} characters")
+    messages = None if req.messages is None else [ChatTurn(m.role, m.content) for m in req.messages]
+    return PromptInput(req.sampling_params, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
+                       messages=messages, add_generation_prompt=req.add_generation_prompt)
+
+
+def generate_output(client_request_id: str, out: SampleOutput) -> GenerateOutput:
+    stop = out.stop_reason
+    return GenerateOutput(
+        request_id=client_request_id, index=out.index, text=out.text, token_ids=out.token_ids,
+        logprobs=out.logprobs, finish_reason=out.finish_reason,
+        stop_reason=None if stop is None else str(stop),
+        num_prompt_tokens=out.num_prompt_tokens, num_output_tokens=out.num_output_tokens,
+        num_cached_tokens=out.num_cached_tokens,
+    )
 
 
 class NativeApi:
@@ -57,9 +73,7 @@ class NativeApi:
         self,
         ctx: zmq.asyncio.Context,
         address: str,
-        engine: EngineClient,
-        processor: InputProcessor,
-        counter: MalformedFrameCounter,
+        core: FrontendCore,
         *,
         hwm: int | None = None,
         allow_wildcard: bool = False,
@@ -67,10 +81,9 @@ class NativeApi:
         opts: dict[str, Any] = {} if hwm is None else {"sndhwm": hwm, "rcvhwm": hwm}
         self.address = address
         self._sock = make_socket(ctx, zmq.ROUTER, address, allow_wildcard=allow_wildcard, **opts)
-        self._engine = engine
-        self._runner = RequestRunner(engine, processor)
-        self._counter = counter
-        self._inflight: dict[ClientKey, _Handle] = {}
+        self._core = core
+        self._inflight: dict[ClientKey, ClientRequest] = {}
+        self._outbox: asyncio.Queue[_Outgoing] = asyncio.Queue()
         self._accepting = True
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -84,23 +97,28 @@ class NativeApi:
 
     async def abort_all(self) -> None:
         """Shutdown: end every in-flight request (clients get finish_reason "abort")."""
-        handles = list(self._inflight.items())
-        finals = await self._runner.abort_many([h.run for _, h in handles])
-        for (key, handle), outputs in zip(handles, finals):
-            self._forget(key)
-            for out in outputs:
-                await self._send(handle.identity, out, drop_on_failure=False)
+        for request in list(self._inflight.values()):
+            await self._core.abort(request)
+        await self._flush()
 
     async def close(self) -> None:
-        for key in list(self._inflight):
-            self._forget(key)
+        self._inflight.clear()
         self._sock.close()  # linger flushes the last outputs
         if self.address.startswith("ipc://"):  # libzmq 4.3 leaves the socket file behind
             with contextlib.suppress(OSError):
                 os.unlink(self.address[len("ipc://"):])
 
     async def serve(self) -> None:
-        """The receive loop; runs until cancelled and never raises otherwise."""
+        """The receive loop and the sender; runs until cancelled, never raises otherwise."""
+        sender = asyncio.get_running_loop().create_task(self._send_loop(), name="native-send")
+        try:
+            await self._receive_loop()
+        finally:
+            sender.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sender
+
+    async def _receive_loop(self) -> None:
         while True:
             try:
                 frames = await self._sock.recv_multipart(copy=False)
@@ -109,7 +127,7 @@ class NativeApi:
                     return
                 log.warning("native API receive failed: %s", e)
                 continue
-            msg = safe_decode(frames, CLIENT_TO_FRONTEND, self._counter, num_frames=2)
+            msg = safe_decode(frames, CLIENT_TO_FRONTEND, self._core.counter, num_frames=2)
             if msg is None:
                 continue
             identity = frames[0].bytes
@@ -127,69 +145,60 @@ class NativeApi:
     async def _on_generate(self, identity: bytes, req: GenerateRequest) -> None:
         key = (identity, req.request_id)
         if not self._accepting:
-            await self._reply_error(identity, req.request_id, "overloaded",
-                                    "this frontend is shutting down; retry on another")
+            self._reply_error(key, "overloaded", "this frontend is shutting down; retry on another")
             return
         if key in self._inflight:
-            await self._reply_error(identity, req.request_id, "invalid_request",
-                                    f"request_id {req.request_id!r} is already in flight")
+            self._reply_error(key, "invalid_request", f"request_id {req.request_id!r} is already in flight")
             return
         try:
-            processed = self._runner.prepare(req)
+            prompts = self._core.validate([prompt_input(req)])
         except InvalidRequest as e:
-            await self._reply_error(identity, req.request_id, e.code, str(e))
+            self._reply_error(key, e.code, str(e))
             return
-        run = await self._runner.start(processed, req.request_id, req.stream)
-        handle = _Handle(identity, run)
-        self._inflight[key] = handle
-        handle.task = asyncio.get_running_loop().create_task(self._pump(key, handle))
+        request = ClientRequest(req.sampling_params.n, lambda item: self._enqueue(key, request, item))
+        self._inflight[key] = request
+        try:
+            await self._core.submit(prompts, req.stream, request)
+        except BaseException:
+            self._inflight.pop(key, None)
+            raise
+
+    def _enqueue(self, key: ClientKey, request: ClientRequest, item: OutputItem) -> None:
+        # called by ClientRequest.put after it counted the item
+        if request.finished:
+            self._inflight.pop(key, None)
+        self._outbox.put_nowait((key, item, request.finished))
 
     async def _on_abort(self, identity: bytes, msg: AbortRequest) -> None:
         for client_id in msg.request_ids:
-            handle = self._inflight.get((identity, client_id))
-            if handle is None:
+            request = self._inflight.get((identity, client_id))
+            if request is None:
                 continue  # finished already, or never ours: aborting is idempotent
-            run = handle.run
-            if msg.index is not None and not 0 <= msg.index < len(run.state.samples):
-                continue
-            for out in await run.abort(None if msg.index is None else [msg.index]):
-                if not await self._send(identity, out):
-                    return
-            if run.finished:
-                self._forget((identity, client_id))
-
-    # -- the per-request pump -------------------------------------------------------------
-    async def _pump(self, key: ClientKey, handle: _Handle) -> None:
-        run, identity = handle.run, handle.identity
-        client_id = run.state.client_request_id
-        try:
-            async for out in run.outputs():
-                if not await self._send(identity, out):
-                    return  # the client is gone; _drop_client aborted everything of it
-            self._forget(key)
-        except RequestFailed as e:
-            self._forget(key)
-            await self._reply_error(identity, client_id, e.code, e.message)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("request %s failed in the frontend", run.request_id)
-            self._forget(key)
-            await self._engine.abort([run.request_id])
-            await self._reply_error(identity, client_id, "engine_error",
-                                    "the frontend failed while processing this request")
+            await self._core.abort(request, None if msg.index is None else [msg.index])
 
     # -- sending ------------------------------------------------------------------------
-    async def _reply_error(self, identity: bytes, request_id: str, code: str, message: str) -> None:
-        await self._send(identity, RequestError(request_id, code, message))
+    def _reply_error(self, key: ClientKey, code: str, message: str) -> None:
+        self._outbox.put_nowait((key, RequestFailed(code, message), True))
 
-    async def _send(
-        self, identity: bytes, msg: GenerateOutput | RequestError, drop_on_failure: bool = True
-    ) -> bool:
-        """Send without waiting; on failure drop the client (abort its requests)."""
+    async def _send_loop(self) -> None:
+        while True:
+            item = await self._outbox.get()
+            await self._send_one(*item)
+
+    async def _flush(self) -> None:
+        """Send what is queued now (shutdown, before the loop is cancelled)."""
+        while not self._outbox.empty():
+            await self._send_one(*self._outbox.get_nowait())
+
+    async def _send_one(self, key: ClientKey, item: OutputItem, last: bool) -> None:
+        identity, client_id = key
+        if isinstance(item, RequestFailed):
+            msg: GenerateOutput | RequestError = RequestError(client_id, item.code, item.message)
+        else:
+            msg = generate_output(client_id, item)
         try:
             await self._sock.send_multipart([identity, encode(msg)], flags=zmq.NOBLOCK)
-            return True
+            return
         except zmq.ZMQError as e:
             if e.errno == zmq.EHOSTUNREACH:
                 why = "disconnected"
@@ -197,26 +206,12 @@ class NativeApi:
                 why = "is too slow (its pipe is full)"
             else:
                 why = f"send failed ({e})"
-        if drop_on_failure:
-            await self._drop_client(identity, why)
-        return False
+        await self._drop_client(identity, why)
 
     async def _drop_client(self, identity: bytes, why: str) -> None:
         keys = [k for k in self._inflight if k[0] == identity]
-        engine_ids = [self._inflight[k].run.request_id for k in keys]
         for k in keys:
-            self._forget(k)
-        if engine_ids:
-            await self._engine.abort(engine_ids)
+            await self._core.abort(self._inflight.pop(k), deliver=False)
         if keys:
             log.warning("client %s %s: aborted its %d request(s)", identity.hex()[:16], why,
                         len(keys))
-
-    def _forget(self, key: ClientKey) -> None:
-        """Stop tracking a request; cancel its pump unless the pump is the caller."""
-        handle = self._inflight.pop(key, None)
-        if handle is None or handle.task is None:
-            return
-        if handle.task is not asyncio.current_task() and not handle.task.done():
-            handle.task.cancel()
-

@@ -95,7 +95,7 @@ def _read_checkpoint(model_dir: Path, config: ModelConfig) -> dict[str, torch.Te
     fused: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():
+            for key in f.keys():  # noqa: SIM118 (a safetensors handle, not a dict: no __iter__)
                 target = _map_key(key)
                 if target is None:
                     continue

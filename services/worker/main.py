@@ -1,6 +1,9 @@
 """The worker process: holds the model and the KV cache and executes the scheduler's steps.
 
-    python -m services.worker.main [--rank N] [flags / PAGODA_* env, see shared/config.py]
+    python -m services.worker.main --model DIR [--rank N] [flags / PAGODA_* env: shared/config.py]
+
+The model setting must be a model directory: ``pagoda worker`` (pagoda/cli.py) resolves a
+name such as ``smollm2`` to its directory in the cache before it starts this.
 
 Start-up: build the model runner, connect a SUB to the scheduler's step XPUB and a
 PUSH to its result PULL, send ``WorkerReady`` (the KV capacity handshake), then loop:
@@ -22,10 +25,9 @@ from typing import Any
 import torch
 import zmq
 
-from pagoda.model_fetch import resolve_model
 from services.worker.runner_builder import RunnerSpec, build_runner
 from shared.codec import MalformedFrameCounter, encode, safe_decode
-from shared.config import ConfigError, PagodaConfig, add_arguments, load_config
+from shared.config import ConfigError, PagodaConfig, add_arguments, load_config, require_model_dir
 from shared.ipc import make_socket, report_ready
 from shared.protocol import SCHEDULER_TO_WORKER, WorkerReady
 
@@ -37,7 +39,7 @@ def run_worker(config: PagodaConfig, ready_fd: int | None = None,
                stop: threading.Event | None = None) -> int:
     engine, endpoints, rank = config.engine, config.endpoints, config.process.rank
     stop = stop or threading.Event()
-    model_dir = resolve_model(engine.model, config.process.cache_dir, progress=False)
+    model_dir = require_model_dir(engine.model, "worker")
     built = build_runner(model_dir, RunnerSpec.from_settings(engine))
     runner = built.runner
     counter = MalformedFrameCounter(log)
@@ -80,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
     try:
         config = load_config(args)
+        require_model_dir(config.engine.model, "worker")
     except ConfigError as e:
         print(f"pagoda worker: {e}", file=sys.stderr)
         return 2

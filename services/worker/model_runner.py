@@ -49,7 +49,7 @@ class CachedRequestState:
 class _TokenSlice:
     """A live read-only view of part of a token list (no per-step copies)."""
 
-    __slots__ = ("_tokens", "_start", "_end")
+    __slots__ = ("_end", "_start", "_tokens")
 
     def __init__(self, tokens: list[int], start: int, end: int | None) -> None:
         self._tokens, self._start, self._end = tokens, start, end

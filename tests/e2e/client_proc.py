@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+from pathlib import Path
+from typing import Any
 
 from pagoda.client import AsyncClient
 
@@ -39,14 +41,18 @@ async def run_job(client: AsyncClient, job: dict, announce: bool) -> dict:  # ty
     return {"text": out.text, "token_ids": list(out.token_ids), "finish_reason": out.finish_reason}
 
 
-async def main(address: str, jobs_path: str, out_path: str) -> None:
-    jobs = json.loads(open(jobs_path).read())
+async def run_jobs(address: str, jobs: list[Any], announce: bool) -> list[Any]:
+    """Every job at once through one client; the results in job order."""
     async with AsyncClient(address, timeout=600) as client:
-        results = await asyncio.gather(*(run_job(client, j, out_path == "-") for j in jobs))
+        return await asyncio.gather(*(run_job(client, j, announce) for j in jobs))
+
+
+def main(address: str, jobs_path: str, out_path: str) -> None:
+    jobs = json.loads(Path(jobs_path).read_text())
+    results = asyncio.run(run_jobs(address, jobs, out_path == "-"))
     if out_path != "-":
-        with open(out_path, "w") as f:
-            json.dump(results, f)
+        Path(out_path).write_text(json.dumps(results))
 
 
 if __name__ == "__main__":
-    asyncio.run(main(*sys.argv[1:4]))
+    main(*sys.argv[1:4])

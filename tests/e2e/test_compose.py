@@ -96,7 +96,9 @@ def _wait_healthy(test: list[str], env: dict[str, str], procs: list[subprocess.P
     assert test[0] == "CMD"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
-        if subprocess.run(_command(test[1:]), env=env, cwd=REPO, capture_output=True).returncode == 0:
+        probe = subprocess.run(_command(test[1:]), env=env, cwd=REPO, capture_output=True,
+                               check=False)
+        if probe.returncode == 0:
             return
         assert all(p.poll() is None for p in procs), "a service exited while starting"
         time.sleep(0.2)  # polling the health probe, as compose does
@@ -107,7 +109,6 @@ def test_compose_services_serve_requests(smollm2_dir: Path, tmp_path: Path) -> N
     services = load_services()
     names = list(services)
     procs: list[subprocess.Popen[bytes]] = []
-    logs = []
     try:
         for name in ("scheduler", "worker", "tokenizer"):
             svc = services[name]
@@ -115,13 +116,14 @@ def test_compose_services_serve_requests(smollm2_dir: Path, tmp_path: Path) -> N
                 # fp32: the tokens are compared with the offline engine's exactly
                 env = {**os.environ, **_local_env(svc["environment"], names, replica),
                        "PAGODA_DTYPE": "float32"}
-                log = open(tmp_path / f"{name}-{replica}.log", "wb")
-                logs.append(log)
-                procs.append(subprocess.Popen(_command(svc["command"]), env=env, cwd=REPO,
-                                              stdout=log, stderr=subprocess.STDOUT))
+                # the child keeps its own copy of the log's descriptor
+                with open(tmp_path / f"{name}-{replica}.log", "wb") as log:
+                    procs.append(subprocess.Popen(_command(svc["command"]), env=env, cwd=REPO,
+                                                  stdout=log, stderr=subprocess.STDOUT))
                 if "healthcheck" in svc:
                     probe = [str(x) for x in svc["healthcheck"]["test"]]
-                    probe = [re.sub(r":(\d+)(/|$)", lambda m: f":{int(m.group(1)) + replica}{m.group(2)}", x)
+                    probe = [re.sub(r":(\d+)(/|$)",
+                                    lambda m, r=replica: f":{int(m.group(1)) + r}{m.group(2)}", x)
                              for x in probe]
                     if name != "scheduler":  # the scheduler is healthy only once the worker is up
                         _wait_healthy(probe, env, procs)
@@ -145,6 +147,4 @@ def test_compose_services_serve_requests(smollm2_dir: Path, tmp_path: Path) -> N
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
         codes = [p.wait(timeout=60) for p in procs]
-        for log in logs:
-            log.close()
     assert codes == [0] * len(procs), [(p.args, c) for p, c in zip(procs, codes)]

@@ -22,14 +22,13 @@ from pagoda.client import Client
 from shared.codec import encode
 from shared.protocol import AbortRequest
 from shared.sampling_params import SamplingParams
-
 from support.live_stack import REPO, LiveStack, expected_offline, start_stack, stop_stack
 
 pytestmark = pytest.mark.slow
 
 MULTIBYTE_PROMPTS = ["请用中文回答：北京是", "Write three emoji: 🐉🏯", "日本語で答えてください。東京は"]
-WORDS = ("the river city light morning paper stone garden music winter quiet road "
-         "north market bridge window story green tower").split()
+WORDS = ["the", "river", "city", "light", "morning", "paper", "stone", "garden", "music", "winter",
+         "quiet", "road", "north", "market", "bridge", "window", "story", "green", "tower"]
 IDLE = re.compile(r"idle: running=(\d+) waiting=(\d+) kv_usage=([0-9.]+) .* invariant_failures=(\d+) "
                   r"malformed_frames=(\d+)")
 
@@ -149,7 +148,7 @@ def test_malformed_frames_on_every_bound_socket_are_dropped(live_stack: LiveStac
     with Client(live_stack.frontends[1], timeout=300) as client:
         assert client.generate("Hi", temperature=0.0, max_tokens=2).outputs[0].token_ids
     assert live_stack.proc.poll() is None
-    for name, pid in live_stack.pids.items():
+    for pid in live_stack.pids.values():
         os.kill(pid, 0)  # raises if that child died
 
 
@@ -160,7 +159,7 @@ def test_sigterm_leaves_no_process_or_socket_file(smollm2_dir: Path, tmp_path: P
     with Client(stack.frontends[0], timeout=300) as client:
         assert client.generate("Hi", max_tokens=2).outputs[0].token_ids
     stop_stack(stack)
-    for name, pid in stack.pids.items():
+    for pid in stack.pids.values():
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
     assert not run_dir.exists(), f"left behind: {list(run_dir.iterdir())}"

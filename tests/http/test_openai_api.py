@@ -156,8 +156,9 @@ BAD: list[tuple[str, str, Any, int, str | None, list[str]]] = [
     ("top_p", "completions", {"prompt": "hi", "top_p": 1.5}, 400, "top_p", []),
     ("NaN", "completions", b'{"prompt": "hi", "temperature": NaN}', 400, "temperature",
      ["finite"]),
-    ("Infinity", "chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], '
-     b'"presence_penalty": -Infinity}', 400, "presence_penalty", ["finite"]),
+    ("Infinity", "chat/completions", (b'{"messages": [{"role": "user", "content": "hi"}], '
+                                       b'"presence_penalty": -Infinity}'), 400,
+     "presence_penalty", ["finite"]),
     ("empty prompt", "completions", {"prompt": ""}, 400, None, ["empty"]),
     ("no prompts", "completions", {"prompt": []}, 400, "prompt", ["empty"]),
     ("empty messages", "chat/completions", {"messages": []}, 400, "messages", ["empty"]),

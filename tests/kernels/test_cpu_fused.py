@@ -351,7 +351,7 @@ def test_failed_build_is_reported_once_and_modules_fall_back(
     x = torch.randn(2, 64)
     with pytest.raises(RuntimeError, match="did not build"):
         cpu_fused.silu_mul(x)
-    out, residual = RMSNorm(64, 1e-6)(x, x)  # fused=True, but the torch path runs
+    _, residual = RMSNorm(64, 1e-6)(x, x)  # fused=True, but the torch path runs
     assert torch.equal(residual, x + x)
 
 

@@ -11,7 +11,12 @@ import pytest
 import torch
 
 from kernel_cases import (
-    DTYPES, assert_close, block_tables_for, device, require_triton, skip_unless_runnable,
+    DTYPES,
+    assert_close,
+    block_tables_for,
+    device,
+    require_triton,
+    skip_unless_runnable,
 )
 from services.worker.attention.base import AttentionMetadata
 from services.worker.attention.torch_backend import TorchAttentionBackend

@@ -12,7 +12,12 @@ import pytest
 import torch
 
 from kernel_cases import (
-    DTYPES, assert_close, block_tables_for, device, paged_cache, require_triton,
+    DTYPES,
+    assert_close,
+    block_tables_for,
+    device,
+    paged_cache,
+    require_triton,
     skip_unless_runnable,
 )
 from kernels import reference

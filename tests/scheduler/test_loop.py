@@ -19,7 +19,6 @@ from typing import Any
 
 import pytest
 import zmq
-from support.fake_worker import FakeWorker
 
 from services.scheduler.handshake import SchedulerSockets, wait_for_workers
 from services.scheduler.loop import SchedulerLoop
@@ -39,6 +38,7 @@ from shared.protocol import (
     WorkerReady,
 )
 from shared.sampling_params import SamplingParams
+from support.fake_worker import FakeWorker
 
 BLOCK_SIZE = 4
 VOCAB = 1000

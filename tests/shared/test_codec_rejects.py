@@ -12,7 +12,6 @@ import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from wire_samples import samples, step_batch
 
 from shared.codec import (
     WIRE_VERSION,
@@ -38,6 +37,7 @@ from shared.protocol import (
     WorkerReady,
 )
 from shared.sampling_params import SamplingParams
+from wire_samples import samples, step_batch
 
 ADD = AddRequest("r", [1, 2], SamplingParams(), 1.0)
 ADD_TAG = AddRequest.__struct_config__.tag

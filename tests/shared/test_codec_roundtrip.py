@@ -5,7 +5,6 @@ from __future__ import annotations
 import msgspec
 import pytest
 import zmq
-from wire_samples import INT32_MAX, samples, step_batch
 
 from shared.codec import (
     WIRE_VERSION,
@@ -27,6 +26,7 @@ from shared.protocol import (
     StepResult,
 )
 from shared.sampling_params import SamplingParams
+from wire_samples import INT32_MAX, samples, step_batch
 
 raw = msgspec.msgpack.decode  # a frame as plain msgpack values
 pack = msgspec.msgpack.encode

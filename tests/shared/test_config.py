@@ -20,6 +20,7 @@ from shared.config import (
     env_help,
     load_config,
     load_engine_settings,
+    require_model_dir,
     resolve,
     resolve_setting,
 )
@@ -168,6 +169,7 @@ def test_role_help_lists_every_setting_with_its_env_var(
         ("attention_backend", "cpu", "torch", "torch", "auto"),
         ("testing", False, "1", True, False),
         ("cache_dir", "/flag/cache", "/env/cache", "/env/cache", "~/.cache/pagoda"),
+        ("served_model_name", "smollm2", "my-model", "my-model", None),
     ],
 )
 def test_new_rows_resolve_flag_over_env_over_default(
@@ -182,6 +184,16 @@ def test_new_rows_resolve_flag_over_env_over_default(
     assert getattr(getattr(load_config({key: flag}, env), group), key) == flag
     assert getattr(getattr(load_config({}, env), group), key) == env_value
     assert getattr(getattr(load_config({}, {}), group), key) == default
+
+
+def test_a_service_takes_only_a_model_directory(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    assert require_model_dir(str(tiny_llama_dir), "worker") == tiny_llama_dir.resolve()
+    for name in ("smollm2", str(tmp_path)):  # a name; a directory without config.json
+        with pytest.raises(ConfigError, match="not a model directory.*`pagoda worker`"):
+            require_model_dir(name, "worker")
+    assert load_config({}, {"PAGODA_SERVED_MODEL_NAME": "none"}).process.served_model_name is None
+    with pytest.raises(ConfigError, match="served_model_name"):
+        ProcessSettings(served_model_name=" ")
 
 
 def test_testing_and_rank_flags() -> None:

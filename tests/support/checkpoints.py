@@ -25,18 +25,18 @@ def _spread_init(model: torch.nn.Module, seed: int) -> None:
 
 def make_checkpoint(path: Path, kind: str = "llama", seed: int = 0, **overrides: Any) -> Path:
     """Writes a tiny random model of `kind` ("llama" or "qwen2") to `path`."""
-    common: dict[str, Any] = dict(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        rms_norm_eps=1e-5,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    common: dict[str, Any] = {
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 1024,
+        "rms_norm_eps": 1e-5,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
     common.update(overrides)
     if kind == "llama":
         config = LlamaConfig(**common)

@@ -9,9 +9,9 @@ ipc:// files in a short private directory; its log goes to a file the tests read
 from __future__ import annotations
 
 import os
-import socket
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -86,7 +86,7 @@ def start_frontend(model_dir: Path, *, env: dict[str, str] | None = None,
     stack = FrontendStack(run_dir, scheduler, proc, native, log_path)
     try:
         wait_ready(read_fd, startup_timeout_s, lambda: proc.poll() is None)
-    except Exception:
+    except Exception:  # noqa: BLE001 -- any start-up failure: report the log, then fail
         log = stack.log()
         stack.stop()
         raise RuntimeError(f"frontend did not start:\n{log}") from None

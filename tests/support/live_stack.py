@@ -63,13 +63,13 @@ def start_stack(model_dir: Path, log_path: Path, num_frontends: int, *extra: str
     # fp32: the e2e tests compare the stack's tokens with the offline engine's, exactly,
     # and bf16 rounding depends on the batch a request happened to run in
     env = {**os.environ, "PAGODA_TESTING": "1", "PYTHONUNBUFFERED": "1", "PAGODA_DTYPE": "float32"}
-    log = open(log_path, "wb")
     port = free_port() if http_port is None else http_port
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pagoda.cli", "serve", "--model", str(model_dir),
-         "--frontends", str(num_frontends), "--http-port", str(port), *extra],
-        stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
-    )
+    with open(log_path, "wb") as log:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pagoda.cli", "serve", "--model", str(model_dir),
+             "--frontends", str(num_frontends), "--http-port", str(port), *extra],
+            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+        )
     stack = LiveStack(proc, log_path)
     text = stack.wait_for_log(lambda t: f"frontend {num_frontends - 1} native API: " in t, timeout=300)
     stack.frontends = re.findall(r"frontend \d+ native API: (\S+)", text)

@@ -274,7 +274,7 @@ def test_malformed_frames_are_dropped_counted_and_the_next_request_served(
         assert raw_request(stack.native, frames, timeout_s=0.2) is None
     for reason in bad:
         assert wait_until(
-            lambda: f"dropped malformed frame on frontend_native ({reason})" in stack.log()
+            lambda reason=reason: f"dropped malformed frame on frontend_native ({reason})" in stack.log()
         ), stack.log()
     stack.scheduler.script_for = lambda add: Script([[65, 66]])
     assert client.generate([1, 2], max_tokens=2).outputs[0].token_ids == [65, 66]

@@ -7,12 +7,13 @@ from pathlib import Path
 import pytest
 
 from services.tokenizer.input_processor import (
+    ChatTurn,
     InputProcessor,
     InvalidRequest,
+    PromptInput,
     load_limits,
     load_tokenizer,
 )
-from shared.protocol import ChatMessage, GenerateRequest
 from shared.sampling_params import SamplingParams
 
 
@@ -27,9 +28,9 @@ def test_limits_come_from_config_and_respect_a_configured_length(tiny_llama_dir:
 def test_a_model_without_tokenizer_serves_token_ids_only(tiny_llama_dir: Path) -> None:
     assert load_tokenizer(tiny_llama_dir) is None
     proc = InputProcessor(None, load_limits(tiny_llama_dir, 32))
-    ok = proc.process(GenerateRequest("a", SamplingParams(max_tokens=None), prompt_token_ids=[3, 4]))
+    ok = proc.process(PromptInput(SamplingParams(max_tokens=None), prompt_token_ids=[3, 4]))
     assert ok.prompt_token_ids == [3, 4] and ok.sampling_params.max_tokens == 30
-    for req in (GenerateRequest("b", SamplingParams(), prompt="hello"),
-                GenerateRequest("c", SamplingParams(), messages=[ChatMessage("user", "hi")])):
+    for req in (PromptInput(SamplingParams(), prompt="hello"),
+                PromptInput(SamplingParams(), messages=[ChatTurn("user", "hi")])):
         with pytest.raises(InvalidRequest, match="no tokenizer"):
             proc.process(req)

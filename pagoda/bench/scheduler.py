@@ -1,8 +1,8 @@
 """Benchmark (not a test): the scheduler's own step time, and offline LLM throughput.
 
-    python -m services.scheduler.bench step [--running 256,1024] [--steps 200]
-    python -m services.scheduler.bench llm [--model smollm2] [--requests 64]
-                                           [--hf-batch-sizes 8,16,32,64]
+    python -m pagoda.bench.scheduler step [--running 256,1024] [--steps 200]
+    python -m pagoda.bench.scheduler llm [--model smollm2] [--requests 64]
+                                         [--hf-batch-sizes 8,16,32,64]
 
 ``step``: N requests with prompts of 1..4096 tokens are prefilled, then each decode
 step's ``schedule()`` + ``update()`` is timed (a stand-in runner that returns a fixed
@@ -39,14 +39,14 @@ class FixedTokenRunner:
     samples token 7. Tracks only the lengths it needs to tell who samples."""
 
     def __init__(self) -> None:
-        self.lengths: dict[str, list[int]] = {}  # seq_id -> [num_tokens, num_computed]
+        self.lengths: dict[int, list[int]] = {}  # seq_id -> [num_tokens, num_computed]
 
     def execute(self, batch: StepBatch) -> StepResult:
         for rid in batch.finished_request_ids:
             self.lengths.pop(rid, None)
         for new in batch.new_requests:
             self.lengths[new.request_id] = [len(new.token_ids), new.num_computed_tokens]
-        ids: list[str] = []
+        ids: list[int] = []
         for rid, n in zip(batch.scheduled_request_ids, batch.num_scheduled_tokens):
             state = self.lengths[rid]
             state[1] += n

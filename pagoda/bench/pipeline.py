@@ -1,6 +1,6 @@
 """Benchmark (not a test): the full process pipeline vs the offline LLM, same requests.
 
-    python -m pagoda.pipeline_bench [--model smollm2] [--requests 64] [--frontends 2]
+    python -m pagoda.bench.pipeline [--model smollm2] [--requests 64] [--frontends 2]
 
 The workload is ``pagoda.bench.workload``'s (seeded prompts cut from real text,
 exact output lengths through ``ignore_eos``, greedy). First the offline ``LLM`` runs it
@@ -17,10 +17,10 @@ import asyncio
 import time
 from dataclasses import asdict
 
+from pagoda.bench.scheduler import bench_llm_outputs
 from pagoda.bench.workload import Workload, make_workload
 from pagoda.launcher import Stack
 from pagoda.model_fetch import resolve_model
-from services.scheduler.bench import bench_llm_outputs
 from shared.config import Endpoints, EngineSettings, load_config
 from shared.ipc import private_run_dir
 

@@ -1,6 +1,6 @@
 """Benchmark (not a test): one decode step of the model runner vs one HF forward.
 
-    python -m services.worker.bench [--model smollm2] [--batch-sizes 1,8,32,64] [--context 512]
+    python -m pagoda.bench.worker [--model smollm2] [--batch-sizes 1,8,32,64] [--context 512]
 
 For each batch size, B requests sit at `context` tokens in the paged KV cache (the
 cache holds random K/V: the timing does not depend on the values) and one decode
@@ -49,7 +49,7 @@ def bench_runner(model_dir: str, batch: int, context: int, repeats: int, block_s
     vocab = model.config.vocab_size
     greedy = SamplingParams(temperature=0.0, max_tokens=None)
     news = [
-        NewRequest(f"r{i}", torch.randint(0, vocab, (context,)).tolist(), context, greedy,
+        NewRequest(i, torch.randint(0, vocab, (context,)).tolist(), context, greedy,
                    list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq)), context - 1)
         for i in range(batch)
     ]
