@@ -11,7 +11,7 @@ from pathlib import Path
 from services.scheduler.scheduler import Scheduler, SchedulerConfig, SchedulerStats
 from services.worker.runner_builder import RunnerSpec, build_runner
 from shared.config import EngineSettings
-from shared.protocol import RequestOutput, StepBatch
+from shared.protocol import EngineOutput, StepBatch
 from shared.sampling_params import SamplingParams
 
 
@@ -36,13 +36,13 @@ class EngineCore:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.scheduler.add_request(request_id, prompt_token_ids, params)
 
-    def abort_request(self, request_ids: list[str], index: int | None = None) -> list[RequestOutput]:
+    def abort_request(self, request_ids: list[str], index: int | None = None) -> list[EngineOutput]:
         return self.scheduler.abort_request(request_ids, index)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[EngineOutput]:
         batch = self.scheduler.schedule()
         if self.step_trace is not None:
             self.step_trace.append(batch)

@@ -39,7 +39,7 @@ class ConfigError(ValueError):
 class Endpoints:
     """Every ZMQ address of one stack. Who binds and who connects is fixed per link."""
 
-    # frontends -> scheduler (AddRequest, AbortRequest) and back (RequestOutputs, RequestError):
+    # frontends -> scheduler (AddRequest, AbortRequest) and back (EngineOutputs, RequestError):
     # the scheduler binds a ROUTER, each frontend connects a DEALER whose identity is its id
     scheduler_frontend: str
     # scheduler -> workers (StepBatch): the scheduler binds an XPUB, every TP rank connects

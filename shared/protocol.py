@@ -2,7 +2,7 @@
 
 Links (who sends what to whom), each with one decoder below (``Link``):
 - frontend -> scheduler: ``AddRequest``, ``AbortRequest``, ``Heartbeat``;
-- scheduler -> frontend: ``RequestOutputs`` (one batch per step per frontend),
+- scheduler -> frontend: ``EngineOutputs`` (one batch per step per frontend),
   ``RequestError`` (a typed rejection of one request), ``EngineStats``;
 - scheduler -> workers: ``StepBatch``;
 - workers -> scheduler: ``WorkerReady`` (the KV capacity handshake), ``StepResult``
@@ -217,7 +217,7 @@ class AbortRequest(_Wire, tag=2):
     index: Count | None = None  # only this sample of each request (a stop string hit it)
 
 
-class RequestOutput(_Wire):
+class EngineOutput(_Wire):
     """What one sample of a request gained in one step."""
 
     request_id: Text  # the id the frontend gave
@@ -232,7 +232,7 @@ class RequestOutput(_Wire):
 
     def __post_init__(self) -> None:
         if self.new_logprobs:
-            _same_length("RequestOutput", self.new_token_ids, self.new_logprobs,
+            _same_length("EngineOutput", self.new_token_ids, self.new_logprobs,
                          "new_token_ids and new_logprobs")
 
     @property
@@ -240,10 +240,10 @@ class RequestOutput(_Wire):
         return self.finish_reason is not None
 
 
-class RequestOutputs(_Wire, tag=3):
+class EngineOutputs(_Wire, tag=3):
     """One scheduler step's outputs for one frontend."""
 
-    outputs: list[RequestOutput] = []
+    outputs: list[EngineOutput] = []
 
 
 class RequestError(_Wire, tag=4):
@@ -352,13 +352,13 @@ class EngineStats(_Wire, tag=11):
 # -- links: one tagged union and one decoder per socket direction ----------------------------
 
 FrontendToScheduler = AddRequest | AbortRequest | Heartbeat
-SchedulerToFrontend = RequestOutputs | RequestError | EngineStats
+SchedulerToFrontend = EngineOutputs | RequestError | EngineStats
 SchedulerToWorker = StepBatch
 WorkerToScheduler = WorkerReady | StepResult
 ClientToFrontend = GenerateRequest | AbortRequest
 FrontendToClient = GenerateOutput | RequestError
 AnyMessage = (
-    AddRequest | AbortRequest | RequestOutputs | RequestError | StepBatch | StepResult
+    AddRequest | AbortRequest | EngineOutputs | RequestError | StepBatch | StepResult
     | WorkerReady | GenerateRequest | GenerateOutput | Heartbeat | EngineStats
 )
 # every top-level message type, in tag order

@@ -12,7 +12,7 @@ scheduler minted them before, or the compact int sequence ids).
 
 Messages: a decode StepBatch (256 running requests, 1 in 16 gaining a block), a
 prefill StepBatch (4 new requests of 512 prompt tokens + 32 decodes), a StepResult of
-256 (without logprobs, and with 5 top logprobs for a quarter), RequestOutputs of 256.
+256 (without logprobs, and with 5 top logprobs for a quarter), EngineOutputs of 256.
 Times are medians over many repetitions, in microseconds per call.
 """
 
@@ -70,7 +70,10 @@ def build_messages(vocab_size: int, seed: int = 0) -> dict[str, Any]:
         top = [rng.randrange(vocab_size) for _ in range(5)]
         return P.TokenLogprobs(-0.5, 1, top, [-0.5 - j * 0.7 for j in range(5)])
 
-    outputs = [P.RequestOutput(str(1000 + i), 0, [sampled[i]], [], None, None, 300, 0)
+    # EngineOutput(s) were called RequestOutput(s) before the frontend redesign
+    output_type = getattr(P, "EngineOutput", None) or P.RequestOutput
+    outputs_type = getattr(P, "EngineOutputs", None) or P.RequestOutputs
+    outputs = [output_type(str(1000 + i), 0, [sampled[i]], [], None, None, 300, 0)
                for i in range(256)]
     return {
         "StepBatch decode, 256 running": decode_batch,
@@ -78,7 +81,7 @@ def build_messages(vocab_size: int, seed: int = 0) -> dict[str, Any]:
         "StepResult 256, no logprobs": P.StepResult(100, ids, sampled, [None] * 256),
         "StepResult 256, logprobs=5 for 64": P.StepResult(100, ids, sampled,
                                                          [logprobs(i) for i in range(256)]),
-        "RequestOutputs 256": P.RequestOutputs(outputs),
+        "EngineOutputs 256": outputs_type(outputs),
     }
 
 

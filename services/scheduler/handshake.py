@@ -2,7 +2,7 @@
 
 Sockets (addresses in ``shared.config.Endpoints``):
 - ``frontends``: ROUTER (binds); each frontend's DEALER identity owns its requests.
-  In: AddRequest, AbortRequest, Heartbeat. Out: RequestOutputs (one per step per
+  In: AddRequest, AbortRequest, Heartbeat. Out: EngineOutputs (one per step per
   frontend), RequestError, EngineStats.
 - ``steps``: XPUB (binds); every worker rank's SUB gets each StepBatch. Subscription
   events tell the loop when a worker connects or goes away.

@@ -39,11 +39,11 @@ from shared.protocol import (
     WORKER_TO_SCHEDULER,
     AbortRequest,
     AddRequest,
+    EngineOutput,
+    EngineOutputs,
     EngineStats,
     Heartbeat,
     RequestError,
-    RequestOutput,
-    RequestOutputs,
     StepBatch,
     StepResult,
 )
@@ -142,7 +142,7 @@ class SchedulerLoop:
 
     def _complete(self, batch: StepBatch, result: StepResult) -> None:
         sched = self.scheduler
-        outputs: list[RequestOutput] = []
+        outputs: list[EngineOutput] = []
         deferred, self._deferred_aborts = self._deferred_aborts, []
         for iids, index in deferred:
             outputs += sched.abort_request(iids, index)
@@ -251,18 +251,18 @@ class SchedulerLoop:
                                 identity.hex(), now - last)
                     self._abort(self.router.requests_of(identity))
 
-    def _send_outputs(self, outputs: list[RequestOutput]) -> None:
+    def _send_outputs(self, outputs: list[EngineOutput]) -> None:
         if not outputs:
             return
         requests = self.scheduler.requests
         finished = {o.request_id for o in outputs if o.finished and o.request_id not in requests}
         for identity, outs in self.router.route(outputs, finished).items():
-            self._send(identity, RequestOutputs(outs))
+            self._send(identity, EngineOutputs(outs))
 
     def _send_error(self, identity: bytes, request_id: str, code: str, message: str) -> None:
         self._send(identity, RequestError(request_id, code, message))
 
-    def _send(self, identity: bytes, msg: RequestOutputs | RequestError | EngineStats) -> None:
+    def _send(self, identity: bytes, msg: EngineOutputs | RequestError | EngineStats) -> None:
         try:
             self.sockets.frontends.send_multipart([identity, encode(msg)], flags=zmq.NOBLOCK)
         except zmq.ZMQError as e:  # EHOSTUNREACH: gone; EAGAIN: not reading

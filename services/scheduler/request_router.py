@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from shared.protocol import RequestOutput
+from shared.protocol import EngineOutput
 
 
 def internal_id(identity: bytes, request_id: str) -> str:
@@ -52,13 +52,13 @@ class RequestRouter:
             if not ids:
                 del self._by_frontend[entry[0]]
 
-    def route(self, outputs: list[RequestOutput], finished: set[str]) -> dict[bytes, list[RequestOutput]]:
+    def route(self, outputs: list[EngineOutput], finished: set[str]) -> dict[bytes, list[EngineOutput]]:
         """Group outputs by owning frontend, renamed to the frontend's ids.
 
         ``finished`` holds the internal ids whose every sample has ended: they are
         forgotten after routing.
         """
-        by_frontend: dict[bytes, list[RequestOutput]] = defaultdict(list)
+        by_frontend: dict[bytes, list[EngineOutput]] = defaultdict(list)
         for out in outputs:
             entry = self._owner.get(out.request_id)
             if entry is None:

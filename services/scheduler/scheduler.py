@@ -32,7 +32,7 @@ import msgspec
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.metrics import EngineMetrics, SchedulerStats
 from services.scheduler.request import FINISH_REASONS, Request, RequestStatus
-from shared.protocol import NewRequest, RequestOutput, RunningRequest, StepBatch, StepResult
+from shared.protocol import EngineOutput, NewRequest, RunningRequest, StepBatch, StepResult
 from shared.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -102,7 +102,7 @@ class Scheduler:
         self._num_preemptions = 0
         self._invariant_failures = 0
         # sequences that ended while scheduling (pool ceiling): reported by the next update
-        self._ceiling_outputs: list[RequestOutput] = []
+        self._ceiling_outputs: list[EngineOutput] = []
 
     # -- requests in and out ---------------------------------------------------------
     def add_request(
@@ -168,7 +168,7 @@ class Scheduler:
         if params.n > 1 and params.n > cfg.max_num_seqs:
             raise RequestRejected("invalid_request", f"n={params.n} exceeds max_num_seqs {cfg.max_num_seqs}")
 
-    def abort_request(self, request_ids: Iterable[str], index: int | None = None) -> list[RequestOutput]:
+    def abort_request(self, request_ids: Iterable[str], index: int | None = None) -> list[EngineOutput]:
         """Abort the live children of these requests (only child ``index`` if given);
         their blocks are freed exactly once.
 
@@ -344,7 +344,7 @@ class Scheduler:
         return hits
 
     # -- results ---------------------------------------------------------------------
-    def update(self, batch: StepBatch, result: StepResult) -> list[RequestOutput]:
+    def update(self, batch: StepBatch, result: StepResult) -> list[EngineOutput]:
         """Apply one executed step; outputs for every sequence that sampled or ended."""
         outputs, self._ceiling_outputs = self._ceiling_outputs, []
         live = {req.seq_id: req for req in self.running}
@@ -391,8 +391,8 @@ class Scheduler:
             del self.requests[req.request_id]
         self.metrics.on_finished(req, self.clock(), last)
 
-    def _output(self, req: Request, tokens: list[int], logprobs: list) -> RequestOutput:  # type: ignore[type-arg]
-        return RequestOutput(
+    def _output(self, req: Request, tokens: list[int], logprobs: list) -> EngineOutput:  # type: ignore[type-arg]
+        return EngineOutput(
             request_id=req.request_id, index=req.index, new_token_ids=tokens,
             new_logprobs=logprobs if req.sampling_params.logprobs is not None else [],
             finish_reason=FINISH_REASONS.get(req.status), stop_reason=req.stop_reason,

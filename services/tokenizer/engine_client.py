@@ -2,7 +2,7 @@
 
 The scheduler binds a ROUTER; this frontend connects a DEALER whose ZMQ identity is
 its frontend id, so the scheduler knows which frontend owns each request and sends
-each step's outputs (``RequestOutputs``) back to it alone. Request ids sent upstream
+each step's outputs (``EngineOutputs``) back to it alone. Request ids sent upstream
 are minted here from a counter: unique per frontend, which is all the scheduler needs
 since it scopes ids by frontend identity. Client ids never cross this link.
 
@@ -37,10 +37,10 @@ from shared.protocol import (
     SCHEDULER_TO_FRONTEND,
     AbortRequest,
     AddRequest,
+    EngineOutputs,
     EngineStats,
     Heartbeat,
     RequestError,
-    RequestOutputs,
 )
 from shared.sampling_params import SamplingParams
 
@@ -167,7 +167,7 @@ class EngineClient:
                 except Exception:  # a bug in one output must not end the receive loop
                     log.exception("processing a %s failed", type(msg).__name__)
 
-    async def _dispatch(self, msg: RequestOutputs | RequestError | EngineStats) -> None:
+    async def _dispatch(self, msg: EngineOutputs | RequestError | EngineStats) -> None:
         if isinstance(msg, EngineStats):
             if self.stats is not None:
                 self.stats.update(msg)

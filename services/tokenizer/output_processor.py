@@ -3,7 +3,7 @@
 One ``OutputProcessor`` per frontend process (and one in the offline ``LLM``) holds a
 ``RequestState`` per engine request: its sampling params, its ``n`` samples with their
 incremental detokenizers and stop strings, and its finish state. Whoever receives the
-scheduler's ``RequestOutputs`` (the engine client's receive loop; the offline engine's
+scheduler's ``EngineOutputs`` (the engine client's receive loop; the offline engine's
 step loop) hands them to ``process``, which turns each into a ``SampleOutput`` (a delta
 while streaming, or the sample's whole text once it finishes otherwise) and puts it
 straight into the ``sink`` of the client request the prompt belongs to: one hop, no
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from services.tokenizer.detokenizer import IncrementalDetokenizer
-from shared.protocol import RequestOutput, TokenLogprobs
+from shared.protocol import EngineOutput, TokenLogprobs
 from shared.sampling_params import SamplingParams
 
 
@@ -97,7 +97,7 @@ class RequestState:
     def finished(self) -> bool:
         return all(s.finish_reason is not None for s in self.samples)
 
-    def absorb(self, out: RequestOutput) -> tuple[SampleOutput | None, bool]:
+    def absorb(self, out: EngineOutput) -> tuple[SampleOutput | None, bool]:
         """(what the client gets, if anything; whether a stop string ended the sample)."""
         if not 0 <= out.index < len(self.samples):
             return None, False  # a sample we never asked for: the scheduler's bug, drop it
@@ -170,7 +170,7 @@ class OutputProcessor:
     def add(self, state: RequestState) -> None:
         self._states[state.engine_request_id] = state
 
-    def process(self, outputs: Sequence[RequestOutput]) -> list[tuple[str, int]]:
+    def process(self, outputs: Sequence[EngineOutput]) -> list[tuple[str, int]]:
         """Route one step's outputs to their sinks; the (engine request id, sample index)
         of every sample a stop string ended, to abort at the scheduler."""
         stopped: list[tuple[str, int]] = []

@@ -30,10 +30,10 @@ from shared.protocol import (
     SCHEDULER_TO_WORKER,
     AbortRequest,
     AddRequest,
+    EngineOutputs,
     EngineStats,
     Heartbeat,
     RequestError,
-    RequestOutputs,
     StepBatch,
     WorkerReady,
 )
@@ -177,7 +177,7 @@ def test_heartbeats_are_answered_while_a_step_runs(stack_factory: Any) -> None:
         assert stats.running == 1
     assert len(stack.worker.steps) == 1, "the step is still running"
     stack.worker.release.set()
-    outputs, _ = stack.recv_until(RequestOutputs)
+    outputs, _ = stack.recv_until(EngineOutputs)
     assert outputs.outputs[0].request_id == "r1" and outputs.outputs[0].new_token_ids
 
 
@@ -195,7 +195,7 @@ def test_abort_mid_step_is_applied_at_that_steps_update(stack_factory: Any) -> N
     assert before == [], "nothing is reported before the step ends"
     assert stats.running == 2 and stats.waiting == 1, "the abort waits for the update"
     stack.worker.release.set()
-    outputs, _ = stack.recv_until(RequestOutputs)
+    outputs, _ = stack.recv_until(EngineOutputs)
     by_id = {o.request_id: o for o in outputs.outputs}
     assert by_id["r1"].finish_reason == "abort" and by_id["r1"].new_token_ids == []
     assert by_id["r2"].finish_reason is None and len(by_id["r2"].new_token_ids) == 1

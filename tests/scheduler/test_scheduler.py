@@ -11,7 +11,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from services.scheduler.request import RequestStatus
 from services.scheduler.scheduler import RequestRejected, Scheduler, SchedulerConfig
-from shared.protocol import RequestOutput, StepBatch
+from shared.protocol import EngineOutput, StepBatch
 from shared.sampling_params import SamplingParams
 from support.fake_worker import FakeWorker
 
@@ -30,16 +30,16 @@ def params(**kw: object) -> SamplingParams:
     return SamplingParams(**kw)  # type: ignore[arg-type]
 
 
-def step(s: Scheduler, w: FakeWorker) -> tuple[StepBatch, list[RequestOutput]]:
+def step(s: Scheduler, w: FakeWorker) -> tuple[StepBatch, list[EngineOutput]]:
     batch = s.schedule()
     outs = s.update(batch, w.execute(batch))
     s.check_invariants()
     return batch, outs
 
 
-def run(s: Scheduler, w: FakeWorker, max_steps: int = 5000) -> dict[tuple[str, int], RequestOutput]:
+def run(s: Scheduler, w: FakeWorker, max_steps: int = 5000) -> dict[tuple[str, int], EngineOutput]:
     """Steps until idle; returns each sequence's final output with all its tokens."""
-    done: dict[tuple[str, int], RequestOutput] = {}
+    done: dict[tuple[str, int], EngineOutput] = {}
     tokens: dict[tuple[str, int], list[int]] = {}
     for _ in range(max_steps):
         if not s.has_unfinished_requests():

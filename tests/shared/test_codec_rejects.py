@@ -27,10 +27,10 @@ from shared.protocol import (
     MESSAGE_TYPES,
     AbortRequest,
     AddRequest,
+    EngineOutput,
+    EngineOutputs,
     EngineStats,
     Histogram,
-    RequestOutput,
-    RequestOutputs,
     StepBatch,
     StepResult,
     TokenLogprobs,
@@ -136,9 +136,9 @@ BAD_FRAMES: dict[str, tuple[bytes, str]] = {
 FRONTEND_ONLY = {"unexpected kind"}
 
 NESTED_BAD: dict[str, tuple[bytes, str]] = {
-    "output not array": (mutated(RequestOutputs([RequestOutput("r", 0, [1])]),
+    "output not array": (mutated(EngineOutputs([EngineOutput("r", 0, [1])]),
                                  setter(0, 0, value="x")), "type"),
-    "output index negative": (mutated(RequestOutputs([RequestOutput("r", 0, [1])]),
+    "output index negative": (mutated(EngineOutputs([EngineOutput("r", 0, [1])]),
                                       setter(0, 0, 1, value=-1)), "range"),
     "logprob +inf": (mutated(StepResult(1, [0], [1], [TokenLogprobs(-1.0, 1, [], [])]),
                              setter(3, 0, 0, value=math.inf)), "range"),
@@ -149,7 +149,7 @@ NESTED_BAD: dict[str, tuple[bytes, str]] = {
     "step result lengths": (mutated(StepResult(1, [0], [1]), setter(2, value=[])), "value"),
     "step result logprob count": (mutated(StepResult(1, [0], [1], [None]),
                                           setter(3, value=[None, None])), "value"),
-    "output logprob count": (mutated(RequestOutputs([RequestOutput("r", 0, [1], [None])]),
+    "output logprob count": (mutated(EngineOutputs([EngineOutput("r", 0, [1], [None])]),
                                      setter(0, 0, 3, value=[None, None])), "value"),
     "stats kv usage inf": (mutated(EngineStats(0, 0, 0.0, 1, 0, 0, 0, 0, 0, 0, 0, 0,
                                                *[Histogram([], [0], 0.0, 0)] * 4, 0),

@@ -21,7 +21,7 @@ from shared.protocol import (
     MESSAGE_TYPES,
     SCHEDULER_TO_FRONTEND,
     AddRequest,
-    RequestOutputs,
+    EngineOutputs,
     StepBatch,
     StepResult,
 )
@@ -57,7 +57,7 @@ def test_every_top_level_type_has_a_sample_and_a_unique_kind() -> None:
     assert len(set(tags)) == len(tags) and all(type(t) is int for t in tags)
     # the kind numbers of the first codec, kept as the tags
     assert {cls.__name__: tag_of(cls) for cls in MESSAGE_TYPES} == {
-        "AddRequest": 1, "AbortRequest": 2, "RequestOutputs": 3, "RequestError": 4,
+        "AddRequest": 1, "AbortRequest": 2, "EngineOutputs": 3, "RequestError": 4,
         "StepBatch": 5, "StepResult": 6, "WorkerReady": 7, "GenerateRequest": 8,
         "GenerateOutput": 9, "Heartbeat": 10, "EngineStats": 11,
     }
@@ -123,12 +123,12 @@ def test_large_batch_round_trip() -> None:
 
 
 def test_decode_accepts_bytearray_and_memoryview() -> None:
-    frame = encode(RequestOutputs([]))
-    assert decode(bytearray(frame)) == RequestOutputs([])
-    assert decode(memoryview(frame)) == RequestOutputs([])
+    frame = encode(EngineOutputs([]))
+    assert decode(bytearray(frame)) == EngineOutputs([])
+    assert decode(memoryview(frame)) == EngineOutputs([])
     counter = MalformedFrameCounter()
-    zmq_frame = zmq.Frame(encode(RequestOutputs([])))  # recv_multipart(copy=False) gives these
-    assert safe_decode([zmq_frame], SCHEDULER_TO_FRONTEND, counter) == RequestOutputs([])
+    zmq_frame = zmq.Frame(encode(EngineOutputs([])))  # recv_multipart(copy=False) gives these
+    assert safe_decode([zmq_frame], SCHEDULER_TO_FRONTEND, counter) == EngineOutputs([])
     assert counter.count() == 0
 
 

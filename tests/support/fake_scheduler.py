@@ -28,10 +28,10 @@ from shared.protocol import (
     FRONTEND_TO_SCHEDULER,
     AbortRequest,
     AddRequest,
+    EngineOutput,
+    EngineOutputs,
     Heartbeat,
     RequestError,
-    RequestOutput,
-    RequestOutputs,
     TokenLogprobs,
 )
 
@@ -70,7 +70,7 @@ class FakeScheduler:
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._running: dict[tuple[bytes, str, int], _Running] = {}
-        self._pending: list[tuple[bytes, RequestOutput]] = []
+        self._pending: list[tuple[bytes, EngineOutput]] = []
         self._thread = threading.Thread(target=self._loop, name="fake-scheduler", daemon=True)
         self._ctx: zmq.Context[Any] = zmq.Context()
         self._sock = make_socket(self._ctx, zmq.ROUTER, self.address)
@@ -151,7 +151,7 @@ class FakeScheduler:
                     self._pending.append((identity, self._output(run, [], "abort")))
 
     def _step(self) -> None:
-        by_frontend: dict[bytes, list[RequestOutput]] = {}
+        by_frontend: dict[bytes, list[EngineOutput]] = {}
         with self._cond:
             for identity, out in self._pending:
                 by_frontend.setdefault(identity, []).append(out)
@@ -171,13 +171,13 @@ class FakeScheduler:
                     del self._running[key]
             self._cond.notify_all()
         for identity, outputs in by_frontend.items():
-            self._send(identity, RequestOutputs(outputs))
+            self._send(identity, EngineOutputs(outputs))
 
-    def _output(self, run: _Running, new: list[int], finish: str | None) -> RequestOutput:
+    def _output(self, run: _Running, new: list[int], finish: str | None) -> EngineOutput:
         params = run.add.sampling_params
         logprobs = ([TokenLogprobs(-0.5, 1, [t], [-0.5]) for t in new]
                     if params.logprobs is not None else [])
-        return RequestOutput(
+        return EngineOutput(
             request_id=run.add.request_id, index=run.index, new_token_ids=new,
             new_logprobs=logprobs, finish_reason=finish,
             stop_reason=run.script.stop_reason if finish == "stop" else None,

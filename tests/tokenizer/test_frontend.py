@@ -34,9 +34,9 @@ from shared.codec import decode, encode
 from shared.protocol import (
     AddRequest,
     ChatMessage,
+    EngineOutputs,
     GenerateRequest,
     RequestError,
-    RequestOutputs,
 )
 from shared.sampling_params import SamplingParams
 from support.fake_scheduler import Script, wait_until
@@ -266,7 +266,7 @@ def test_malformed_frames_are_dropped_counted_and_the_next_request_served(
     bad = {
         "msgpack": [b"\xc1 garbage bytes"],  # 0xc1 is never valid msgpack
         "arity": [msgspec.msgpack.encode([1, [8, "only-an-id"]])],  # a valid envelope, wrong shape
-        "unexpected_kind": [encode(RequestOutputs([]))],
+        "unexpected_kind": [encode(EngineOutputs([]))],
         "frame_count": [valid, valid],
     }
     truncated = [valid[: len(valid) // 2]]

@@ -20,7 +20,7 @@ from services.tokenizer.output_processor import (
     RequestState,
     SampleOutput,
 )
-from shared.protocol import RequestOutput
+from shared.protocol import EngineOutput
 from shared.sampling_params import SamplingParams
 
 
@@ -51,7 +51,7 @@ def test_two_prompts_stream_into_one_sink_and_concatenate_to_the_decode(tokenize
         for rid, ids, n in (("a", token_lists[0], 1), ("b", token_lists[1], 2)):
             if step < len(ids):
                 last = step == len(ids) - 1
-                outs += [RequestOutput(rid, i, [ids[step]], finish_reason="length" if last else None)
+                outs += [EngineOutput(rid, i, [ids[step]], finish_reason="length" if last else None)
                          for i in range(n)]
         assert proc.process(outs) == []
     assert request.finished and len(proc) == 0
@@ -74,14 +74,14 @@ def test_stop_string_ends_the_sample_and_is_reported_for_an_abort(tokenizer: Any
     proc.add(RequestState("r", 0, params, 3, tokenizer, False, request))
     stopped = []
     for t in ids:
-        stopped += proc.process([RequestOutput("r", 0, [t]), RequestOutput("r", 1, [t])])
+        stopped += proc.process([EngineOutput("r", 0, [t]), EngineOutput("r", 1, [t])])
     assert sorted(stopped) == [("r", 0), ("r", 1)]
     finals = [o for o in items if isinstance(o, SampleOutput)]
     assert len(finals) == 2, "not streaming: one whole output per sample"
     assert all(o.text == text[: text.find("STOP")] and o.stop_reason == "STOP" for o in finals)
     assert request.finished and "r" not in proc
     # the scheduler catching up with the abort: ignored
-    assert proc.process([RequestOutput("r", 0, [], finish_reason="abort")]) == []
+    assert proc.process([EngineOutput("r", 0, [], finish_reason="abort")]) == []
     assert len(items) == 2
 
 
@@ -91,7 +91,7 @@ def test_end_delivers_abort_outputs_or_drops_them(tokenizer: Any) -> None:
     gone, gone_items = collected(1)
     proc.add(RequestState("k", 0, SamplingParams(n=2), 3, tokenizer, True, kept))
     proc.add(RequestState("g", 0, SamplingParams(), 3, tokenizer, True, gone))
-    proc.process([RequestOutput("k", 0, ids_of(tokenizer, "Hi"))])
+    proc.process([EngineOutput("k", 0, ids_of(tokenizer, "Hi"))])
     assert proc.end("k", [1]) and not kept.finished
     assert proc.end("k") and kept.finished and "k" not in proc
     assert [o.finish_reason for o in kept_items if isinstance(o, SampleOutput)] == [None, "abort", "abort"]
