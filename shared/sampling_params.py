@@ -31,6 +31,8 @@ MAX_N = 128
 MAX_LOGPROBS = 20
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_STRING_CHARS = 1024
+MAX_LOGIT_BIAS = 300  # entries (OpenAI's limit)
+LOGIT_BIAS_RANGE = 100.0  # OpenAI: each bias in [-100, 100]
 
 
 class SamplingParamsError(ValueError):
@@ -55,6 +57,31 @@ def _integer(name: str, value: Any) -> int:
     return value
 
 
+class StructuredOutputsParams(
+    msgspec.Struct, array_like=True, omit_defaults=True, gc=False, forbid_unknown_fields=True
+):
+    """A constraint on the output (vLLM's ``StructuredOutputsParams``); exactly one is set."""
+
+    json: str | None = None  # a JSON schema, serialized as JSON text
+    regex: str | None = None
+    choice: list[str] | None = None  # the output is exactly one of these strings
+    grammar: str | None = None  # an EBNF (GBNF) grammar
+    json_object: bool = False  # any JSON object
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar")
+                 if getattr(self, name) is not None]
+        if self.json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            raise SamplingParamsError(
+                "structured_outputs",
+                f"exactly one of json, regex, choice, grammar, json_object, got {given or 'none'}")
+        if self.choice is not None and (not self.choice or not all(
+                isinstance(c, str) and c for c in self.choice)):
+            raise SamplingParamsError("structured_outputs", "choice must be non-empty strings")
+
+
 class SamplingParams(
     msgspec.Struct, array_like=True, omit_defaults=True, gc=False, forbid_unknown_fields=True
 ):
@@ -74,6 +101,10 @@ class SamplingParams(
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    # appended for issue 16 (append-only on the wire)
+    prompt_logprobs: int | None = None  # logprobs of every prompt token, with top-k alternatives
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -122,12 +153,28 @@ class SamplingParams(
             raise SamplingParamsError(
                 "min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
             )
-        if self.logprobs is not None:
-            _integer("logprobs", self.logprobs)
-            if not 0 <= self.logprobs <= MAX_LOGPROBS:
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _integer(name, value)
+                if not 0 <= value <= MAX_LOGPROBS:
+                    raise SamplingParamsError(name, f"must be in [0, {MAX_LOGPROBS}], got {value}")
+        self._validate_logit_bias()
+
+    def _validate_logit_bias(self) -> None:
+        bias = self.logit_bias
+        if bias is None:
+            return
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise SamplingParamsError("logit_bias", f"at most {MAX_LOGIT_BIAS} entries")
+        for tid, value in bias.items():
+            _integer("logit_bias", tid)
+            if tid < 0:
+                raise SamplingParamsError("logit_bias", f"token ids must be >= 0, got {tid}")
+            v = _finite("logit_bias", value)
+            if not -LOGIT_BIAS_RANGE <= v <= LOGIT_BIAS_RANGE:
                 raise SamplingParamsError(
-                    "logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"
-                )
+                    "logit_bias", f"values must be in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}], got {v}")
 
     def _validate_stops(self) -> None:
         if len(self.stop) > MAX_STOP_SEQUENCES:
