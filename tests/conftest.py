@@ -32,6 +32,11 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("tiny-qwen3"), "qwen3", seed=4)
+
+
+@pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     from pagoda.model_fetch import resolve_model
 

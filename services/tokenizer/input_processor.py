@@ -24,6 +24,7 @@ from typing import Any
 
 import msgspec
 
+from shared import model_limits
 from shared.sampling_params import SamplingParams
 
 
@@ -67,25 +68,23 @@ class ProcessedPrompt:
 def load_limits(model_dir: Path, max_model_len: int | None = None) -> ModelLimits:
     """The model's vocab size and context length from config.json.
 
-    A configured ``max_model_len`` wins but may not exceed ``max_position_embeddings``
-    (the worker refuses that too, so both sides agree on the same limit).
+    A configured ``max_model_len`` wins but may not exceed what the model allows
+    (``shared.model_limits``: the worker applies the same rule, so both sides agree).
     """
     config = json.loads((model_dir / "config.json").read_text())
     text = config.get("text_config") or {}  # multimodal configs nest the language model
     vocab_size = config.get("vocab_size") or text.get("vocab_size")
-    max_pos = config.get("max_position_embeddings") or text.get("max_position_embeddings")
-    if not isinstance(vocab_size, int) or not isinstance(max_pos, int):
+    if not isinstance(vocab_size, int):
         # a ValueError, not a TypeError: a bad model directory is a start-up error the
         # frontend reports as such
-        raise ValueError(f"{model_dir}/config.json lacks vocab_size or max_position_embeddings")  # noqa: TRY004
-    if max_model_len is None:
-        max_model_len = max_pos
-    elif not 1 < max_model_len <= max_pos:
-        raise ValueError(
-            f"max_model_len {max_model_len} must be in 2..{max_pos} "
-            "(the model's max_position_embeddings)"
-        )
-    return ModelLimits(max_model_len=max_model_len, vocab_size=vocab_size)
+        raise ValueError(f"{model_dir}/config.json lacks vocab_size")  # noqa: TRY004
+    if max_model_len is not None and max_model_len < 2:
+        raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+    try:
+        limit = model_limits.max_model_len(config, max_model_len)
+    except ValueError as e:
+        raise ValueError(f"{model_dir}: {e}") from None
+    return ModelLimits(max_model_len=limit, vocab_size=vocab_size)
 
 
 def load_tokenizer(model_dir: Path) -> Any | None:

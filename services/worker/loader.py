@@ -35,6 +35,8 @@ _RENAMED = {
     "mlp.down_proj.bias": "mlp.down_bias",
     "input_layernorm.weight": "input_layernorm.weight",
     "post_attention_layernorm.weight": "post_attention_layernorm.weight",
+    "self_attn.q_norm.weight": "self_attn.q_norm.weight",  # Qwen3
+    "self_attn.k_norm.weight": "self_attn.k_norm.weight",
 }
 _TOP = {
     "model.embed_tokens.weight": "embed_tokens.weight",

@@ -11,7 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+from shared.model_limits import sliding_window
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+)
 
 
 class ModelLoadError(RuntimeError):
@@ -38,6 +42,10 @@ class ModelConfig:
     mlp_bias: bool
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k, before rotary
+    # the attention window every layer applies (None: full causal attention); the model
+    # code attends fully, so max_model_len is capped at it (shared/model_limits.py)
+    sliding_window: int | None = None
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
@@ -66,6 +74,7 @@ class ModelConfig:
         rope_theta, rope_scaling = _rope_params(cfg)
         attention_bias = bool(cfg.get("attention_bias", False))
         is_qwen2 = arch == "Qwen2ForCausalLM"
+        is_qwen3 = arch == "Qwen3ForCausalLM"
         return cls(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
@@ -85,7 +94,16 @@ class ModelConfig:
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             eos_token_ids=_eos_ids(cfg, gen or {}),
             bos_token_id=cfg.get("bos_token_id"),
+            qk_norm=is_qwen3,
+            sliding_window=_window(cfg),
         )
+
+
+def _window(cfg: dict[str, Any]) -> int | None:
+    try:
+        return sliding_window(cfg)
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from None
 
 
 def _rope_params(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

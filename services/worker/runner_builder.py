@@ -8,6 +8,7 @@ scheduler in its ``WorkerReady`` handshake.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from services.worker.layers.linear import pack_cpu_linears
 from services.worker.loader import load_model
 from services.worker.model_config import ModelConfig
 from services.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
+from shared import model_limits
 from shared.config import EngineSettings
 
 DEFAULT_KV_CACHE_BYTES = 2 * 1024**3  # CPU default; on CUDA the pool takes free memory
@@ -105,12 +107,8 @@ def build_runner(model_dir: Path, spec: RunnerSpec) -> BuiltRunner:
         # compiled (first run on a machine) or loaded now, not in step 1
         cpu_fused.available()
         cpu_prefill.available()
-    max_pos = model.config.max_position_embeddings
-    max_model_len = spec.max_model_len or max_pos
-    if max_model_len > max_pos:
-        raise ValueError(
-            f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {max_pos}"
-        )
+    max_model_len = model_limits.max_model_len(
+        json.loads((Path(model_dir) / "config.json").read_text()), spec.max_model_len)
     num_blocks = _num_blocks(model, spec, dtype, device)
     attention = get_attention_backend(device, spec.attention_backend)
     runner = ModelRunner(model, attention, num_blocks, spec.block_size, dtype, device)

@@ -1,4 +1,4 @@
-"""Tiny random HF checkpoints (Llama, Qwen2) written to disk for tests.
+"""Tiny random HF checkpoints (Llama, Qwen2, Qwen3, Mistral) written to disk for tests.
 
 Weights are drawn with a larger spread than HF's default init so that logits are
 well separated and greedy decoding is not decided by float rounding.
@@ -10,7 +10,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 
 def _spread_init(model: torch.nn.Module, seed: int) -> None:
@@ -24,7 +30,7 @@ def _spread_init(model: torch.nn.Module, seed: int) -> None:
 
 
 def make_checkpoint(path: Path, kind: str = "llama", seed: int = 0, **overrides: Any) -> Path:
-    """Writes a tiny random model of `kind` ("llama" or "qwen2") to `path`."""
+    """Writes a tiny random model of `kind` (llama, qwen2, qwen3, mistral) to `path`."""
     common: dict[str, Any] = {
         "vocab_size": 512,
         "hidden_size": 64,
@@ -43,6 +49,11 @@ def make_checkpoint(path: Path, kind: str = "llama", seed: int = 0, **overrides:
     elif kind == "qwen2":
         common.setdefault("tie_word_embeddings", True)
         config = Qwen2Config(**common)
+    elif kind == "qwen3":
+        common.setdefault("head_dim", 32)  # Qwen3 decouples head_dim from hidden / heads
+        config = Qwen3Config(**common)
+    elif kind == "mistral":
+        config = MistralConfig(**common)
     else:
         raise ValueError(kind)
     torch.manual_seed(seed)

@@ -19,7 +19,8 @@ from services.worker.model_runner import ModelRunner
 from support.checkpoints import load_hf
 from support.paged import PagedDriver
 
-MODELS = ["tiny_llama_dir", "tiny_llama3_rope_dir", "tiny_qwen2_dir", "smollm2_dir"]
+MODELS = ["tiny_llama_dir", "tiny_llama3_rope_dir", "tiny_qwen2_dir", "tiny_qwen3_dir",
+          "smollm2_dir"]
 
 
 def make_runner(model_dir: Path, num_blocks: int = 256, block_size: int = 16,

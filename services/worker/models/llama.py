@@ -1,4 +1,4 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2, SmolLM) over a flattened varlen batch.
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM) over a flattened varlen batch.
 
 All new tokens of a step are concatenated into one ``[num_tokens]`` batch with their
 ``positions``; per-sequence structure lives in the ``AttentionMetadata``. The q/k/v
@@ -44,6 +44,9 @@ class LlamaAttention(nn.Module):
         self.qkv_bias = _weight(self.q_size + 2 * self.kv_size) if config.qkv_bias else None
         self.o_weight = _weight(config.hidden_size, self.q_size)
         self.o_bias = _weight(config.hidden_size) if config.o_proj_bias else None
+        # Qwen3: per-head RMSNorm of q and k (over head_dim) before the rotation
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(
         self,
@@ -56,6 +59,9 @@ class LlamaAttention(nn.Module):
         qkv = linear(hidden, self.qkv_weight, self.qkv_bias, self.qkv_weight_packed)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         t = hidden.shape[0]
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q.reshape(t * self.num_heads, self.head_dim))[0]
+            k = self.k_norm(k.reshape(t * self.num_kv_heads, self.head_dim))[0]
         q, k = self.rotary(
             positions,
             q.reshape(t, self.num_heads, self.head_dim),
