@@ -6,7 +6,9 @@ by a sliding attention window: pagoda's attention is full causal attention, whic
 equals windowed attention only while a sequence fits in the window, so a longer
 sequence would be answered wrong. Until windowed attention lands in the kernels, such
 models run with ``max_model_len <= sliding_window`` (a larger configured length is
-refused, naming the field).
+refused, naming the field). Likewise for rope types whose frequencies HF changes with
+the sequence length (``dynamic``, ``longrope``): below the original context they are
+the initial frequencies, so sequences are kept there.
 """
 
 from __future__ import annotations
@@ -53,13 +55,37 @@ def max_model_len(cfg: dict[str, Any], configured: int | None = None) -> int:
         raise ValueError("config.json lacks max_position_embeddings")  # noqa: TRY004 -- a bad model dir
     window = sliding_window(cfg)
     limit = max_pos if window is None else min(max_pos, window)
+    rope_cap = _rope_length_cap(cfg)
+    if rope_cap is not None and rope_cap < limit:
+        limit, window = rope_cap, None
     if configured is None:
         return limit
     if configured > max_pos:
         raise ValueError(f"max_model_len {configured} exceeds the model's "
                          f"max_position_embeddings {max_pos}")
-    if configured > limit:
+    if configured > limit and window is not None:
         raise ValueError(f"max_model_len {configured} exceeds the model's sliding_window "
                          f"{window}: past the window pagoda's full attention would differ "
                          "from the model's windowed attention")
+    if configured > limit:
+        raise ValueError(f"max_model_len {configured} exceeds {limit}, the rope_scaling "
+                         "original_max_position_embeddings: past it HF changes the rotary "
+                         "frequencies with the sequence length, which pagoda does not do yet")
     return configured
+
+
+def rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The rope scaling parameters, whether written as rope_parameters (transformers 5)
+    or rope_scaling; empty for the default rope."""
+    params = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    kind = params.get("rope_type", params.get("type", "default"))
+    return {} if kind == "default" else {**params, "rope_type": kind}
+
+
+def _rope_length_cap(cfg: dict[str, Any]) -> int | None:
+    params = rope_parameters(cfg)
+    if params.get("rope_type") not in ("dynamic", "longrope"):
+        return None
+    original = params.get("original_max_position_embeddings") or cfg.get(
+        "original_max_position_embeddings") or cfg.get("max_position_embeddings")
+    return int(original)

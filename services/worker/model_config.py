@@ -7,11 +7,14 @@ with a message that names the problem instead of deep inside a forward pass.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from shared.model_limits import sliding_window
+
+# rope_scaling types the model code computes as HF does (layers/rotary.py)
+SCALED_ROPE_TYPES = ("linear", "llama3", "yarn", "dynamic", "longrope")
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
@@ -46,6 +49,8 @@ class ModelConfig:
     # the attention window every layer applies (None: full causal attention); the model
     # code attends fully, so max_model_len is capped at it (shared/model_limits.py)
     sliding_window: int | None = None
+    # config.json as read: transformers' rope functions take the whole config
+    hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
@@ -72,6 +77,10 @@ class ModelConfig:
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         rope_theta, rope_scaling = _rope_params(cfg)
+        rope_type = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type"))
+        if rope_scaling is not None and rope_type not in SCALED_ROPE_TYPES:
+            raise ModelLoadError(f"rope_scaling: unsupported rope type {rope_type!r} "
+                                 f"(supported: default, {', '.join(SCALED_ROPE_TYPES)})")
         attention_bias = bool(cfg.get("attention_bias", False))
         is_qwen2 = arch == "Qwen2ForCausalLM"
         is_qwen3 = arch == "Qwen3ForCausalLM"
@@ -96,6 +105,7 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             qk_norm=is_qwen3,
             sliding_window=_window(cfg),
+            hf_config=dict(cfg),
         )
 
 

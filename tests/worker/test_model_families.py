@@ -38,6 +38,42 @@ def test_greedy_tokens_equal_hf_generate(kind: str, tmp_path: Path) -> None:
         assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist(), kind
 
 
+ROPE = {  # rope_parameters of a tiny Llama (head_dim 16, max_position_embeddings 1024)
+    "linear": {"rope_type": "linear", "factor": 2.0},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256},
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0},
+    "longrope": {"rope_type": "longrope", "original_max_position_embeddings": 256,
+                 "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                 "long_factor": [2.0 + 0.5 * i for i in range(8)]},
+}
+
+
+@pytest.mark.parametrize("rope_type", sorted(ROPE))
+def test_rope_scaling_types_give_hf_greedy_tokens(rope_type: str, tmp_path: Path) -> None:
+    params = {**ROPE[rope_type], "rope_theta": 10000.0}
+    model_dir = make_checkpoint(tmp_path / rope_type, "llama", seed=8, rope_parameters=params)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (9, 60)]
+    llm = LLM(str(model_dir), dtype="float32", num_kv_blocks=64)
+    if rope_type in ("dynamic", "longrope"):  # HF changes frequencies past the original length
+        assert llm.engine.max_model_len == (256 if rope_type == "longrope" else 1024)
+    ours = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True),
+                        use_tqdm=False)
+    hf = load_hf(model_dir)
+    for prompt, out in zip(prompts, ours):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False,
+                              min_new_tokens=64, eos_token_id=None, pad_token_id=0)
+        assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist(), rope_type
+
+
+def test_an_unknown_rope_type_is_refused_at_load(tmp_path: Path) -> None:
+    model_dir = make_checkpoint(tmp_path / "m", "llama", seed=8)
+    write_config(model_dir, rope_parameters={"rope_type": "mrope", "rope_theta": 10000.0})
+    with pytest.raises(Exception, match="rope_scaling: unsupported rope type 'mrope'"):
+        LLM(str(model_dir), dtype="float32", num_kv_blocks=16)
+
+
 def write_config(path: Path, **fields: object) -> dict[str, object]:
     cfg = json.loads((path / "config.json").read_text())
     cfg.update(fields)

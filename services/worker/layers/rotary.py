@@ -1,58 +1,61 @@
 """Rotary position embeddings (rotate-half layout, as HF Llama), with rope scaling.
 
-Supported ``rope_scaling`` types: default, ``linear`` (positions divided by the
-factor) and ``llama3`` (wavelength-dependent frequency scaling of Llama 3.1+).
+Scaled frequencies come from transformers' own rope initialisation functions
+(``ROPE_INIT_FUNCTIONS``: ``linear``, ``llama3``, ``yarn``, ``dynamic``, ``longrope``),
+so they are HF's by construction, with HF's ``attention_factor`` applied to cos and
+sin. ``dynamic`` and ``longrope`` change frequencies with the sequence length in HF;
+below ``original_max_position_embeddings`` both are the initial ones, and
+``shared/model_limits.py`` keeps every sequence there. Any other type is refused at load.
 On the CPU in fp32 / bf16 the rotation runs as one C++ kernel (``kernels.cpu_fused``,
 same rounding) where that extension builds; ``fused=False`` keeps the torch ops.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 from torch import nn
 
 from kernels import cpu_fused
+from services.worker.model_config import SCALED_ROPE_TYPES
 
 
-def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
-    factor = float(scaling["factor"])
-    low_freq_factor = float(scaling.get("low_freq_factor", 1.0))
-    high_freq_factor = float(scaling.get("high_freq_factor", 4.0))
-    old_context_len = float(scaling["original_max_position_embeddings"])
-    low_freq_wavelen = old_context_len / low_freq_factor
-    high_freq_wavelen = old_context_len / high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    # long wavelengths are scaled by the factor, short ones kept, the band between blended
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    blended = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-    return torch.where(is_medium, blended, scaled)
+def rope_type_of(scaling: dict[str, Any] | None) -> str:
+    return str((scaling or {}).get("rope_type", (scaling or {}).get("type", "default")))
 
 
-def rope_inv_freq(head_dim: int, base: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+def rope_inv_freq(
+    head_dim: int, base: float, scaling: dict[str, Any] | None,
+    hf_config: dict[str, Any] | None = None,
+) -> tuple[torch.Tensor, float]:
+    """(inv_freq [head_dim / 2], attention_factor) as transformers computes them."""
+    rope_type = rope_type_of(scaling)
     if rope_type == "default":
-        return inv_freq
-    assert scaling is not None
-    if rope_type == "linear":
-        return inv_freq / float(scaling["factor"])
-    if rope_type == "llama3":
-        return _llama3_inv_freq(inv_freq, scaling)
-    raise ValueError(f"unsupported rope_scaling type {rope_type!r} (supported: linear, llama3)")
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        return 1.0 / (base**exponents), 1.0
+    if rope_type not in SCALED_ROPE_TYPES:
+        raise ValueError(f"rope_scaling: unsupported rope type {rope_type!r} "
+                         f"(supported: default, {', '.join(SCALED_ROPE_TYPES)})")
+    if not hf_config:
+        raise ValueError("rope_scaling needs the model's config.json to compute its frequencies")
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    fields = {k: v for k, v in hf_config.items() if k != "model_type"}
+    config = AutoConfig.for_model(hf_config["model_type"], **fields)
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    return inv_freq.float(), float(attention_factor)
 
 
 class RotaryEmbedding(nn.Module):
     def __init__(
         self, head_dim: int, max_position: int, base: float, scaling: dict[str, Any] | None,
-        fused: bool = True,
+        fused: bool = True, hf_config: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         self.head_dim, self.max_position, self.base, self.scaling = head_dim, max_position, base, scaling
+        self.hf_config = hf_config
         self.fused = fused
         # [max_position, head_dim // 2] each
         self.register_buffer("cos_cache", torch.empty(max_position, head_dim // 2), persistent=False)
@@ -63,11 +66,12 @@ class RotaryEmbedding(nn.Module):
     @torch.no_grad()
     def fill_cache(self) -> None:
         device = self.cos_cache.device
-        inv_freq = rope_inv_freq(self.head_dim, self.base, self.scaling).to(device)
+        inv_freq, attention_factor = rope_inv_freq(self.head_dim, self.base, self.scaling,
+                                                   self.hf_config)
         positions = torch.arange(self.max_position, dtype=torch.float32, device=device)
-        freqs = torch.outer(positions, inv_freq)
-        self.cos_cache.copy_(freqs.cos())
-        self.sin_cache.copy_(freqs.sin())
+        freqs = torch.outer(positions, inv_freq.to(device))
+        self.cos_cache.copy_(freqs.cos() * attention_factor)
+        self.sin_cache.copy_(freqs.sin() * attention_factor)
 
     def forward(
         self,

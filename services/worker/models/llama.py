@@ -134,6 +134,7 @@ class LlamaForCausalLM(nn.Module):
             max_position or config.max_position_embeddings,
             config.rope_theta,
             config.rope_scaling,
+            hf_config=config.hf_config,
         )
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
