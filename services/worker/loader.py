@@ -29,6 +29,9 @@ _FUSED = {
     "mlp.up_proj": ("mlp.gate_up", 1),
 }
 _RENAMED = {
+    # Phi-3/4 store q/k/v and gate/up fused, in our order already
+    "self_attn.qkv_proj.weight": "self_attn.qkv_weight",
+    "mlp.gate_up_proj.weight": "mlp.gate_up_weight",
     "self_attn.o_proj.weight": "self_attn.o_weight",
     "self_attn.o_proj.bias": "self_attn.o_bias",
     "mlp.down_proj.weight": "mlp.down_weight",

@@ -18,6 +18,7 @@ SCALED_ROPE_TYPES = ("linear", "llama3", "yarn", "dynamic", "longrope")
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+    "Phi3ForCausalLM",
 )
 
 
@@ -46,6 +47,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k, before rotary
+    partial_rotary_factor: float = 1.0  # Phi-4-mini: the rotated fraction of each head
     # the attention window every layer applies (None: full causal attention); the model
     # code attends fully, so max_model_len is capped at it (shared/model_limits.py)
     sliding_window: int | None = None
@@ -104,6 +106,8 @@ class ModelConfig:
             eos_token_ids=_eos_ids(cfg, gen or {}),
             bos_token_id=cfg.get("bos_token_id"),
             qk_norm=is_qwen3,
+            partial_rotary_factor=float((cfg.get("rope_parameters") or {}).get(
+                "partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))),
             sliding_window=_window(cfg),
             hf_config=dict(cfg),
         )

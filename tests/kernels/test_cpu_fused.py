@@ -101,7 +101,8 @@ def test_rotary(
 ) -> None:
     gen = torch.Generator().manual_seed(num_tokens + head_dim)
     q, k = _qkv_views(num_tokens, num_heads, num_kv_heads, head_dim, dtype, gen)
-    scaling = {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 256}
+    scaling = {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 256,
+               "low_freq_factor": 1.0, "high_freq_factor": 4.0}  # HF requires all four
     fused = RotaryEmbedding(head_dim, 4096, 10000.0, scaling)
     plain = RotaryEmbedding(head_dim, 4096, 10000.0, scaling, fused=False)
     positions = torch.randperm(4096, generator=gen)[:num_tokens]  # out of order

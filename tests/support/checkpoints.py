@@ -14,6 +14,7 @@ from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
     MistralConfig,
+    Phi3Config,
     Qwen2Config,
     Qwen3Config,
 )
@@ -30,7 +31,7 @@ def _spread_init(model: torch.nn.Module, seed: int) -> None:
 
 
 def make_checkpoint(path: Path, kind: str = "llama", seed: int = 0, **overrides: Any) -> Path:
-    """Writes a tiny random model of `kind` (llama, qwen2, qwen3, mistral) to `path`."""
+    """Writes a tiny random model of `kind` (llama, qwen2, qwen3, mistral, phi3) to `path`."""
     common: dict[str, Any] = {
         "vocab_size": 512,
         "hidden_size": 64,
@@ -54,6 +55,9 @@ def make_checkpoint(path: Path, kind: str = "llama", seed: int = 0, **overrides:
         config = Qwen3Config(**common)
     elif kind == "mistral":
         config = MistralConfig(**common)
+    elif kind == "phi3":
+        common.setdefault("pad_token_id", 0)  # Phi3Config's default pad id is outside the vocab
+        config = Phi3Config(**common)
     else:
         raise ValueError(kind)
     torch.manual_seed(seed)

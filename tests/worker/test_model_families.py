@@ -19,12 +19,20 @@ from pagoda import LLM, SamplingParams
 from shared import model_limits
 from support.checkpoints import load_hf, make_checkpoint
 
-FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
+FAMILIES = {  # name: (kind, config overrides)
+    "llama": ("llama", {}),
+    "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {}),
+    "mistral": ("mistral", {}),
+    "phi3": ("phi3", {}),
+    "phi4-mini (partial rotary)": ("phi3", {"partial_rotary_factor": 0.75}),
+}
 
 
-@pytest.mark.parametrize("kind", FAMILIES)
-def test_greedy_tokens_equal_hf_generate(kind: str, tmp_path: Path) -> None:
-    model_dir = make_checkpoint(tmp_path / kind, kind, seed=5)
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_greedy_tokens_equal_hf_generate(family: str, tmp_path: Path) -> None:
+    kind, overrides = FAMILIES[family]
+    model_dir = make_checkpoint(tmp_path / kind, kind, seed=5, **overrides)
     gen = torch.Generator().manual_seed(9)
     prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (5, 23, 70)]
     llm = LLM(str(model_dir), dtype="float32", num_kv_blocks=64)
@@ -35,7 +43,7 @@ def test_greedy_tokens_equal_hf_generate(kind: str, tmp_path: Path) -> None:
         with torch.no_grad():
             ref = hf.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False,
                               min_new_tokens=64, eos_token_id=None, pad_token_id=0)
-        assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist(), kind
+        assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist(), family
 
 
 ROPE = {  # rope_parameters of a tiny Llama (head_dim 16, max_position_embeddings 1024)

@@ -27,9 +27,12 @@ def rope_type_of(scaling: dict[str, Any] | None) -> str:
 
 def rope_inv_freq(
     head_dim: int, base: float, scaling: dict[str, Any] | None,
-    hf_config: dict[str, Any] | None = None,
+    hf_config: dict[str, Any] | None = None, max_position: int | None = None,
 ) -> tuple[torch.Tensor, float]:
-    """(inv_freq [head_dim / 2], attention_factor) as transformers computes them."""
+    """(inv_freq [head_dim / 2], attention_factor) as transformers computes them.
+
+    ``hf_config`` is the model's config.json; without one (kernel tests, a bare module) a
+    Llama config with just these rope parameters stands in."""
     rope_type = rope_type_of(scaling)
     if rope_type == "default":
         exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
@@ -38,7 +41,9 @@ def rope_inv_freq(
         raise ValueError(f"rope_scaling: unsupported rope type {rope_type!r} "
                          f"(supported: default, {', '.join(SCALED_ROPE_TYPES)})")
     if not hf_config:
-        raise ValueError("rope_scaling needs the model's config.json to compute its frequencies")
+        hf_config = {"model_type": "llama", "head_dim": head_dim, "hidden_size": head_dim,
+                     "num_attention_heads": 1, "max_position_embeddings": max_position or 2048,
+                     "rope_parameters": {**(scaling or {}), "rope_theta": base}}
     from transformers import AutoConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -52,22 +57,26 @@ class RotaryEmbedding(nn.Module):
     def __init__(
         self, head_dim: int, max_position: int, base: float, scaling: dict[str, Any] | None,
         fused: bool = True, hf_config: dict[str, Any] | None = None,
+        rotary_dim: int | None = None,
     ) -> None:
         super().__init__()
         self.head_dim, self.max_position, self.base, self.scaling = head_dim, max_position, base, scaling
         self.hf_config = hf_config
-        self.fused = fused
-        # [max_position, head_dim // 2] each
-        self.register_buffer("cos_cache", torch.empty(max_position, head_dim // 2), persistent=False)
-        self.register_buffer("sin_cache", torch.empty(max_position, head_dim // 2), persistent=False)
+        # partial rotary (Phi-4-mini): only the first rotary_dim dims of a head rotate
+        self.rotary_dim = rotary_dim or head_dim
+        self.fused = fused and self.rotary_dim == head_dim  # the C++ kernel rotates whole heads
+        half = self.rotary_dim // 2
+        # [max_position, rotary_dim // 2] each
+        self.register_buffer("cos_cache", torch.empty(max_position, half), persistent=False)
+        self.register_buffer("sin_cache", torch.empty(max_position, half), persistent=False)
         if self.cos_cache.device.type != "meta":
             self.fill_cache()
 
     @torch.no_grad()
     def fill_cache(self) -> None:
         device = self.cos_cache.device
-        inv_freq, attention_factor = rope_inv_freq(self.head_dim, self.base, self.scaling,
-                                                   self.hf_config)
+        inv_freq, attention_factor = rope_inv_freq(self.rotary_dim, self.base, self.scaling,
+                                                   self.hf_config, self.max_position)
         positions = torch.arange(self.max_position, dtype=torch.float32, device=device)
         freqs = torch.outer(positions, inv_freq.to(device))
         self.cos_cache.copy_(freqs.cos() * attention_factor)
@@ -85,8 +94,12 @@ class RotaryEmbedding(nn.Module):
             and cpu_fused.available()
         ):  # reads the q / k slices of the qkv projection in place
             return cpu_fused.rotary(query, key, positions, self.cos_cache, self.sin_cache)
-        cos = self.cos_cache.index_select(0, positions)[:, None, :]  # [T, 1, D/2]
+        cos = self.cos_cache.index_select(0, positions)[:, None, :]  # [T, 1, R/2]
         sin = self.sin_cache.index_select(0, positions)[:, None, :]
+        if self.rotary_dim < self.head_dim:
+            r = self.rotary_dim
+            return (torch.cat((_rotate(query[..., :r], cos, sin), query[..., r:]), dim=-1),
+                    torch.cat((_rotate(key[..., :r], cos, sin), key[..., r:]), dim=-1))
         return _rotate(query, cos, sin), _rotate(key, cos, sin)
 
 

@@ -1,4 +1,5 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM) over a flattened varlen batch.
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3/4, SmolLM) over a flattened
+varlen batch.
 
 All new tokens of a step are concatenated into one ``[num_tokens]`` batch with their
 ``positions``; per-sequence structure lives in the ``AttentionMetadata``. The q/k/v
@@ -135,6 +136,7 @@ class LlamaForCausalLM(nn.Module):
             config.rope_theta,
             config.rope_scaling,
             hf_config=config.hf_config,
+            rotary_dim=int(config.head_dim * config.partial_rotary_factor),
         )
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
