@@ -75,3 +75,23 @@ def test_counters_move_and_render_parses() -> None:
                 (("process", "scheduler"), ("reason", "msgpack"), ("socket", "scheduler_frontend")))] == 1
     view.set_draining()
     assert view.health()[0] is False
+
+
+def test_every_abort_path_counts_once_per_sequence() -> None:
+    """A stop string ending one of n=4 samples (the frontend aborts that index), an
+    explicit or disconnect abort of the rest, an abort racing a finish: each sequence
+    counts once under its finish reason."""
+    sched = Scheduler(SchedulerConfig(num_blocks=64, block_size=4, vocab_size=1000))
+    worker = FakeWorker(4, 1000)
+    sched.add_request("r", [5, 6, 7, 8, 9], SamplingParams(n=4, max_tokens=50, ignore_eos=True))
+    sched.add_request("w", [5, 6], SamplingParams(max_tokens=50))
+    for _ in range(3):
+        batch = sched.schedule()
+        sched.update(batch, worker.execute(batch))
+    assert len(sched.abort_request(["r"], index=2)) == 1  # the stop-string abort of sample 2
+    assert sched.abort_request(["r"], index=2) == []  # a duplicate is not counted again
+    assert len(sched.abort_request(["r", "w"])) == 4  # the client went away
+    assert sched.abort_request(["r", "w"]) == []
+    stats = sched.metrics.snapshot(sched.stats(), MalformedFrameCounter())
+    assert (stats.finished_abort, stats.finished_stop, stats.finished_length) == (5, 0, 0)
+    assert stats.e2e_latency.count == 5
