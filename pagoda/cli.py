@@ -138,8 +138,9 @@ _ROLES = {
     "frontend": ("services.tokenizer.main", "main"),
     "bench": ("pagoda.bench.cli", "main"),
 }
-# the roles that load the model (the scheduler never reads it): `pagoda <role>` resolves it
-_MODEL_ROLES = ("worker", "frontend")
+# the roles that load the model (the scheduler loads its tokenizer, for structured output):
+# `pagoda <role>` resolves it
+_MODEL_ROLES = ("scheduler", "worker", "frontend")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -114,6 +114,9 @@ class GenerateResult:
     request_id: str
     outputs: list[SampleOutput]
     usage: Usage
+    # with prompt_logprobs: the prompt's token ids and each one's logprobs (the first None)
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class _Collector:
@@ -127,6 +130,8 @@ class _Collector:
         self._text: list[list[str]] = [[] for _ in self.samples]
         self._completion: list[int] = [0] * len(self.samples)
         self.usage = Usage()
+        self.prompt_token_ids: list[int] | None = None
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def done(self) -> bool:
@@ -146,11 +151,14 @@ class _Collector:
         self.usage.prompt_tokens = out.num_prompt_tokens
         self.usage.completion_tokens = sum(self._completion)
         self.usage.cached_tokens = max(self.usage.cached_tokens, out.num_cached_tokens)
+        if out.prompt_logprobs and self.prompt_logprobs is None:
+            self.prompt_token_ids, self.prompt_logprobs = out.prompt_token_ids, out.prompt_logprobs
 
     def result(self) -> GenerateResult:
         for s, parts in zip(self.samples, self._text):
             s.text = "".join(parts)
-        return GenerateResult(self.request_id, self.samples, self.usage)
+        return GenerateResult(self.request_id, self.samples, self.usage, self.prompt_token_ids,
+                              self.prompt_logprobs)
 
 
 def _build_request(

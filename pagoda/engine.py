@@ -2,6 +2,9 @@
 
 The same step the pipeline runs across processes (schedule -> StepBatch ->
 worker -> StepResult -> update), in one loop, for the offline ``LLM`` and tests.
+Structured output runs the scheduler's ``StructuredOutputManager`` too; ``add_request``
+waits for the request's grammar to compile (the scheduler process never does), so an
+unusable constraint is a ValueError there and a step never finds one compiling.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from services.scheduler.scheduler import Scheduler, SchedulerConfig, SchedulerStats
+from services.scheduler.structured_output import GrammarFailed, StructuredOutputManager
 from services.worker.runner_builder import RunnerSpec, build_runner
 from shared.config import EngineSettings
 from shared.protocol import EngineOutput, StepBatch
@@ -26,14 +30,22 @@ class EngineCore:
         self.runner = built.runner
         self.model_config = built.model_config
         self.max_model_len = built.max_model_len
+        vocab_size, eos_ids = built.model_config.vocab_size, built.model_config.eos_token_ids
+        self.structured_output = StructuredOutputManager(
+            model_dir, vocab_size, eos_ids, compile_timeout_s=settings.grammar_compile_timeout_s,
+            cache_size=settings.grammar_cache_size)
         self.scheduler = Scheduler(SchedulerConfig.from_settings(
             settings, num_blocks=built.num_blocks, max_model_len=built.max_model_len,
-            vocab_size=built.model_config.vocab_size, eos_token_ids=built.model_config.eos_token_ids,
-            strict_invariants=strict_invariants,
-        ))
+            vocab_size=vocab_size, eos_token_ids=eos_ids, strict_invariants=strict_invariants,
+        ), structured_output=self.structured_output)
         self.step_trace: list[StepBatch] | None = None  # tests switch it on
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if params.structured_outputs is not None:
+            try:  # compiled (and cached) before the scheduler sees the request
+                self.structured_output.wait(self.structured_output.request(params.structured_outputs))
+            except GrammarFailed as e:
+                raise ValueError(str(e)) from None
         self.scheduler.add_request(request_id, prompt_token_ids, params)
 
     def abort_request(self, request_ids: list[str], index: int | None = None) -> list[EngineOutput]:
@@ -44,6 +56,9 @@ class EngineCore:
 
     def step(self) -> list[EngineOutput]:
         batch = self.scheduler.schedule()
+        errors = self.scheduler.take_errors()
+        if errors:  # not expected: add_request compiled every grammar
+            raise RuntimeError("; ".join(f"request {rid}: {msg}" for rid, _, msg in errors))
         if self.step_trace is not None:
             self.step_trace.append(batch)
         result = self.runner.execute(batch)

@@ -87,7 +87,8 @@ class LLM:
             for i, (ids, p) in enumerate(zip(token_ids, params)):
                 rid = str(self._num_requests)
                 self._num_requests += 1
-                self._outputs.add(RequestState(rid, i, p, len(ids), self.tokenizer, False, finals))
+                self._outputs.add(RequestState(rid, i, p, len(ids), self.tokenizer, False, finals,
+                                               ids))
                 request_ids.append(rid)
                 self.engine.add_request(rid, ids, p)
             self._run(finals, len(prompt_list), use_tqdm)
@@ -102,6 +103,8 @@ class LLM:
                 prompt_token_ids=ids,
                 outputs=[_completion(s, p) for s in sorted(outs, key=lambda o: o.index)],
                 num_cached_tokens=max((s.num_cached_tokens for s in outs), default=0),
+                prompt_logprobs=next((s.prompt_logprobs for s in outs
+                                      if s.prompt_logprobs is not None), None),
             )
             for rid, prompt, ids, p, outs in zip(request_ids, prompt_list, token_ids, params,
                                                  finals.outputs)

@@ -27,6 +27,7 @@ from shared.ipc import DEFAULT_HWM, check_address
 DEFAULT_BASE_PORT = 5570  # scheduler: +0 frontends, +1 step, +2 results; frontends: +10 + i
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "triton", "cpu", "torch")  # services/worker/attention/selector.py
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral", "none")  # tokenizer/tool_parsers.py
 DEFAULT_CACHE_DIR = "~/.cache/pagoda"
 TP_ISSUE = "issue 15"
 
@@ -117,16 +118,23 @@ class EngineSettings:
     tensor_parallel_size: int = 1  # worker ranks the scheduler waits for; only 1 until TP lands
     max_queued_requests: int = 1024  # waiting requests before the scheduler answers overloaded
     attention_backend: str = "auto"  # one of ATTENTION_BACKENDS; auto: the selector's choice
+    # structured output (scheduler): a grammar not compiled this long after it was asked
+    # for fails its requests; this many distinct compiled grammars are kept (LRU)
+    grammar_compile_timeout_s: float = 30.0
+    grammar_cache_size: int = 128
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens",
-                     "tensor_parallel_size", "max_queued_requests"):
+                     "tensor_parallel_size", "max_queued_requests", "grammar_cache_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
         for name in ("kv_cache_bytes", "num_kv_blocks", "max_model_len"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {value}")
+        if not self.grammar_compile_timeout_s > 0:
+            raise ConfigError(f"grammar_compile_timeout_s: must be > 0, got "
+                              f"{self.grammar_compile_timeout_s}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype: must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
@@ -153,6 +161,9 @@ class ProcessSettings:
     # and `pagoda <role>` set it to the name the user gave (e.g. smollm2), since the roles
     # themselves are handed the resolved model directory
     served_model_name: str | None = None
+    # how the HTTP API finds tool calls in chat output: one of TOOL_CALL_PARSERS; auto:
+    # from the chat template's text where it is clear, else none
+    tool_call_parser: str = "auto"
     allow_wildcard_bind: bool = False  # only on an isolated network (compose internal net)
     socket_hwm: int = DEFAULT_HWM
     max_frame_bytes: int = MAX_FRAME_BYTES
@@ -172,6 +183,9 @@ class ProcessSettings:
             raise ConfigError("cache_dir: must not be empty")
         if not 0 < self.http_port < 65536:
             raise ConfigError(f"http_port: must be in 1..65535, got {self.http_port}")
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ConfigError(f"tool_call_parser: must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                              f"got {self.tool_call_parser!r}")
         if self.served_model_name is not None and not self.served_model_name.strip():
             raise ConfigError("served_model_name: must not be blank")
         if self.http_max_body_bytes < 1024:
@@ -282,6 +296,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("attention_backend", "engine", _choice(*ATTENTION_BACKENDS), _ENGINE.attention_backend,
             "worker attention backend; auto: triton on CUDA, else the cpu kernel if it builds, "
             "else torch"),
+    Setting("grammar_compile_timeout_s", "engine", float, _ENGINE.grammar_compile_timeout_s,
+            "structured output: seconds a grammar may take to compile before its requests fail"),
+    Setting("grammar_cache_size", "engine", int, _ENGINE.grammar_cache_size,
+            "structured output: compiled grammars kept for reuse (LRU)"),
     Setting("num_frontends", "process", int, _PROC.num_frontends, "frontends serve starts"),
     Setting("frontend_index", "process", int, _PROC.frontend_index,
             "which frontend_native address this frontend binds"),
@@ -292,6 +310,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("served_model_name", "process", _optional(str), None,
             "model id(s) the HTTP API answers to, comma-separated, the first one reported "
             "(default: the model as named on the command line, and its alias)"),
+    Setting("tool_call_parser", "process", _choice(*TOOL_CALL_PARSERS), _PROC.tool_call_parser,
+            "format of tool calls in chat output (services/tokenizer/tool_parsers.py); auto: "
+            "the one the chat template shows (hermes for <tool_call>), else none"),
     Setting("allow_wildcard_bind", "process", _parse_bool, _PROC.allow_wildcard_bind,
             "allow binding tcp://* or 0.0.0.0 (isolated networks only)"),
     Setting("socket_hwm", "process", int, _PROC.socket_hwm, "ZMQ high-water mark (messages)"),

@@ -132,10 +132,20 @@ class StepBatch(_Wire, tag=5):
     num_scheduled_tokens: list[Count] = []
     # requests whose worker state is dropped before this step runs
     finished_request_ids: list[SeqId] = []
+    # structured output (appended for issue 16): the sequences that sample this step under a
+    # grammar whose mask excludes some token, in batch order, and their masks: one row each
+    # of ceil(vocab_size / 32) little-endian int32 words; bit j of word w allows token
+    # 32 * w + j (xgrammar's bitmask layout). Empty when no sequence of the step has one.
+    grammar_seq_ids: list[SeqId] = []
+    grammar_bitmasks: bytes = b""
 
     def __post_init__(self) -> None:
         _same_length("StepBatch", self.scheduled_request_ids, self.num_scheduled_tokens,
                      "scheduled_request_ids and num_scheduled_tokens")
+        rows = len(self.grammar_seq_ids)
+        size = len(self.grammar_bitmasks)
+        if (size == 0) != (rows == 0) or (rows and size % (4 * rows)):
+            raise ValueError(f"StepBatch: {size} bitmask bytes for {rows} grammar rows")
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -145,7 +155,7 @@ class StepBatch(_Wire, tag=5):
         return (
             f"StepBatch(step={self.step_id}, new={len(self.new_requests)}, "
             f"running={len(self.running_requests)}, tokens={self.total_num_scheduled_tokens}, "
-            f"finished={len(self.finished_request_ids)})"
+            f"finished={len(self.finished_request_ids)}, grammars={len(self.grammar_seq_ids)})"
         )
 
 
@@ -164,6 +174,15 @@ class TokenLogprobs(_Wire):
                      "top_token_ids and top_logprobs")
 
 
+class PromptLogprobs(_Wire):
+    """The prompt logprobs one chunk of a sequence's prefill computed: ``logprobs[i]`` is
+    prompt token ``start + i`` under the model's distribution after tokens ``[0, start + i)``."""
+
+    request_id: SeqId
+    start: Count  # >= 1: the first prompt token has no logprob
+    logprobs: list[TokenLogprobs]  # logprob and rank of the prompt token itself; top-k
+
+
 class StepResult(_Wire, tag=6):
     step_id: Count
     # requests that sampled a token this step, in batch order
@@ -173,6 +192,9 @@ class StepResult(_Wire, tag=6):
     # request_ids[i] -> logprobs, or None where the request did not ask for them;
     # empty when no request of the step asked
     logprobs: list[TokenLogprobs | None] = []
+    # one entry per sequence asking prompt_logprobs whose prompt this step computed part
+    # of; empty when none did (appended for issue 16)
+    prompt_logprobs: list[PromptLogprobs] = []
 
     def __post_init__(self) -> None:
         _same_length("StepResult", self.request_ids, self.sampled_token_ids,
@@ -229,6 +251,9 @@ class EngineOutput(_Wire):
     stop_reason: TokenId | None = None  # the stop token id that ended it, if any
     num_prompt_tokens: Count = 0
     num_cached_tokens: Count = 0  # prompt tokens served from the prefix cache
+    # every prompt token's logprobs (the first None), once, with sample 0's first token,
+    # when the request asked prompt_logprobs (appended for issue 16)
+    prompt_logprobs: list[TokenLogprobs | None] = []
 
     def __post_init__(self) -> None:
         if self.new_logprobs:
@@ -292,6 +317,15 @@ class GenerateOutput(_Wire, tag=9):
     num_prompt_tokens: Count = 0
     num_output_tokens: Count = 0  # of this sample, so far
     num_cached_tokens: Count = 0
+    # with prompt_logprobs, in each sample's first output: the prompt's token ids and
+    # their logprobs (the first None) (appended for issue 16)
+    prompt_token_ids: list[TokenId] = []
+    prompt_logprobs: list[TokenLogprobs | None] = []
+
+    def __post_init__(self) -> None:
+        if self.prompt_logprobs:
+            _same_length("GenerateOutput", self.prompt_token_ids, self.prompt_logprobs,
+                         "prompt_token_ids and prompt_logprobs")
 
 
 # -- scheduler <-> frontends: liveness and the authoritative engine figures -------------------

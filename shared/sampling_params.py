@@ -12,6 +12,10 @@ follow OpenAI / vLLM so that users of those engines get what they expect:
   output so far; ``frequency_penalty`` subtracts it times the token's output count.
 - ``logprobs = k`` returns the sampled token's logprob and the top-k alternatives
   (from the raw model distribution, before penalties and temperature).
+- ``prompt_logprobs = k`` returns the same for every prompt token (the first has none),
+  computed in the prefill's forward pass; such a request takes no prefix-cache hit.
+- ``logit_bias`` (OpenAI's) adds its values to those tokens' logits before sampling
+  (before penalties and temperature); reported logprobs do not see it.
 
 ``SamplingParams`` is a ``msgspec.Struct`` nested in ``AddRequest``, ``NewRequest`` and
 ``GenerateRequest`` (``shared/protocol.py``): an array of its fields in declaration order
@@ -22,17 +26,21 @@ when code builds one and when a frame is decoded into one. Copy with a change th
 
 from __future__ import annotations
 
+import json as _json
 import math
 from typing import Any
 
 import msgspec
 
 MAX_N = 128
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs; OpenAI's top_logprobs limit
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_STRING_CHARS = 1024
 MAX_LOGIT_BIAS = 300  # entries (OpenAI's limit)
 LOGIT_BIAS_RANGE = 100.0  # OpenAI: each bias in [-100, 100]
+# structured outputs: a JSON schema, regex or grammar (characters), all choices together
+MAX_CONSTRAINT_CHARS = 64 * 1024
+MAX_CHOICES = 1024
 
 
 class SamplingParamsError(ValueError):
@@ -60,15 +68,18 @@ def _integer(name: str, value: Any) -> int:
 class StructuredOutputsParams(
     msgspec.Struct, array_like=True, omit_defaults=True, gc=False, forbid_unknown_fields=True
 ):
-    """A constraint on the output (vLLM's ``StructuredOutputsParams``); exactly one is set."""
+    """A constraint on the output (vLLM's ``StructuredOutputsParams``); exactly one is set.
+    What each means: ``shared/structured_output.py``."""
 
-    json: str | None = None  # a JSON schema, serialized as JSON text
+    json: str | None = None  # a JSON schema as JSON text (a dict is serialized on construction)
     regex: str | None = None
     choice: list[str] | None = None  # the output is exactly one of these strings
     grammar: str | None = None  # an EBNF (GBNF) grammar
     json_object: bool = False  # any JSON object
 
     def __post_init__(self) -> None:
+        if isinstance(self.json, dict):  # as vLLM's: json=schema_dict is accepted
+            self.json = _json.dumps(self.json)
         given = [name for name in ("json", "regex", "choice", "grammar")
                  if getattr(self, name) is not None]
         if self.json_object:
@@ -80,6 +91,14 @@ class StructuredOutputsParams(
         if self.choice is not None and (not self.choice or not all(
                 isinstance(c, str) and c for c in self.choice)):
             raise SamplingParamsError("structured_outputs", "choice must be non-empty strings")
+        texts = self.choice if self.choice is not None else [
+            t for t in (self.json, self.regex, self.grammar) if t is not None]
+        if not all(isinstance(t, str) for t in texts):
+            raise SamplingParamsError("structured_outputs", "json, regex and grammar must be text")
+        if sum(map(len, texts)) > MAX_CONSTRAINT_CHARS or len(texts) > MAX_CHOICES:
+            raise SamplingParamsError(
+                "structured_outputs", f"at most {MAX_CONSTRAINT_CHARS} characters of schema, regex, "
+                f"grammar or choices, and at most {MAX_CHOICES} choices")
 
 
 class SamplingParams(
@@ -221,4 +240,10 @@ class SamplingParams(
         unknown = set(data) - set(cls.__struct_fields__)
         if unknown:
             raise SamplingParamsError(min(unknown), "unknown sampling parameter")
+        so = data.get("structured_outputs")
+        if isinstance(so, dict):  # {"json": {...}} as vLLM's extra body
+            unknown = set(so) - set(StructuredOutputsParams.__struct_fields__)
+            if unknown:
+                raise SamplingParamsError("structured_outputs", f"unknown field {min(unknown)!r}")
+            data = {**data, "structured_outputs": StructuredOutputsParams(**so)}
         return cls(**data)

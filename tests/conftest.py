@@ -41,3 +41,18 @@ def smollm2_dir() -> Path:
     from pagoda.model_fetch import resolve_model
 
     return resolve_model("smollm2", progress=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_smollm_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
+    """A tiny random Llama with SmolLM2's tokenizer and chat template; its logits are 64
+    ids wider than the tokenizer (padded, as many real checkpoints are). A random model
+    with a real vocabulary: what structured output must constrain on its own."""
+    import shutil
+
+    path = make_checkpoint(tmp_path_factory.mktemp("tiny-smollm"), "llama", seed=5,
+                           vocab_size=49152 + 64, bos_token_id=1, eos_token_id=2)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (smollm2_dir / name).is_file():
+            shutil.copy(smollm2_dir / name, path / name)
+    return path

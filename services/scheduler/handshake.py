@@ -22,11 +22,13 @@ import os
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import zmq
 
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
+from services.scheduler.structured_output import StructuredOutputManager
 from shared.codec import MalformedFrameCounter, safe_decode
 from shared.config import PagodaConfig
 from shared.ipc import make_socket, wait_for_subscribers
@@ -102,15 +104,21 @@ def wait_for_workers(
     if subscribed < num_workers:
         raise EngineDeadError(f"{subscribed} of {num_workers} workers subscribed to steps")
     first = ready[min(ready)]
+    engine = config.engine
+    # structured output compiles grammars over the vocabulary of the model's tokenizer
+    # (loaded from --model, a directory: `pagoda scheduler` resolves a name first)
+    structured_output = StructuredOutputManager(
+        Path(engine.model), first.vocab_size, first.eos_token_ids,
+        compile_timeout_s=engine.grammar_compile_timeout_s, cache_size=engine.grammar_cache_size)
     scheduler = Scheduler(SchedulerConfig.from_settings(
-        config.engine,
+        engine,
         num_blocks=min(r.num_kv_blocks for r in ready.values()),
         max_model_len=min(r.max_model_len for r in ready.values()),
         vocab_size=first.vocab_size,
         eos_token_ids=tuple(first.eos_token_ids),
         # tests run the stack with PAGODA_TESTING=1: a broken invariant is fatal there
         strict_invariants=config.process.testing,
-    ))
+    ), structured_output=structured_output)
     # the block pool and request table are long-lived: keep them out of the
     # collector's generations so a full collection does not stall a step
     gc.collect()

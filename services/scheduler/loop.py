@@ -80,6 +80,10 @@ class SchedulerLoop:
         self._poller = zmq.Poller()
         for sock in (sockets.frontends, sockets.steps, sockets.results):
             self._poller.register(sock, zmq.POLLIN)
+        # a compiled structured-output grammar wakes the loop (its requests can run now)
+        self._grammars = scheduler.structured_output
+        if self._grammars is not None:
+            self._poller.register(self._grammars.wakeup_fd, zmq.POLLIN)
 
     # -- the loop --------------------------------------------------------------------
     def run(self) -> int:
@@ -117,9 +121,16 @@ class SchedulerLoop:
             self._take_frontend_messages()
         if s.results in events:
             self._take_results()
+        if self._grammars is not None and self._grammars.wakeup_fd in events:
+            self._grammars.drain_wakeups()
 
     def _launch(self) -> None:
         batch = self.scheduler.schedule()
+        self._send_request_errors()
+        if not batch.scheduled_request_ids and not batch.finished_request_ids:
+            # nothing for the workers (only grammars compiling): the step ends here
+            self._complete(batch, StepResult(step_id=batch.step_id))
+            return
         try:
             self.sockets.steps.send(encode(batch), flags=zmq.NOBLOCK)
         except zmq.Again:
@@ -258,6 +269,14 @@ class SchedulerLoop:
         finished = {o.request_id for o in outputs if o.finished and o.request_id not in requests}
         for identity, outs in self.router.route(outputs, finished).items():
             self._send(identity, EngineOutputs(outs))
+
+    def _send_request_errors(self) -> None:
+        """Requests the core failed after admission (a grammar that did not compile)."""
+        for iid, code, message in self.scheduler.take_errors():
+            owner = self.router.owner(iid)
+            self.router.forget(iid)
+            if owner is not None:
+                self._send_error(owner[0], owner[1], code, message)
 
     def _send_error(self, identity: bytes, request_id: str, code: str, message: str) -> None:
         self._send(identity, RequestError(request_id, code, message))

@@ -15,12 +15,20 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from shared.protocol import TokenLogprobs
 from shared.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from services.scheduler.structured_output import SequenceGrammar
 
 
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
+    # in the waiting queue, its structured-output grammar still compiling: schedule() skips
+    # it (vLLM's WAITING_FOR_FSM)
+    WAITING_FOR_GRAMMAR = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     # finished states sort after PREEMPTED
@@ -63,6 +71,11 @@ class Request:
     on_worker: bool = False  # the workers hold its state (sent as a NewRequest)
     stop_reason: int | None = None
     num_preemptions: int = 0
+    # structured output: its compiled grammar and matcher (services/scheduler/structured_output.py)
+    grammar: SequenceGrammar | None = None
+    # prompt_logprobs asked and not delivered yet: [None] + what the steps computed so
+    # far (index = prompt position); None otherwise (children > 0, or once delivered)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def num_tokens(self) -> int:

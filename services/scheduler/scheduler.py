@@ -16,12 +16,17 @@ alone and still short of blocks, it has reached the pool ceiling and finishes wi
 ``update(batch, result)`` advances the sequences the step computed, appends the
 sampled tokens, applies stop rules (EOS/stop ids, max_tokens, max_model_len), frees
 finished sequences' blocks in the same step, and returns per-sequence outputs.
+
+Prompt logprobs: the sequence of a request asking ``prompt_logprobs`` (child 0 only)
+takes no prefix-cache hit, so the workers score every prompt position as its chunks
+run; ``update`` collects the chunks' logprobs and hands them over with its first token.
 """
 
 from __future__ import annotations
 
 import bisect
 import itertools
+import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -32,13 +37,27 @@ import msgspec
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.metrics import EngineMetrics, SchedulerStats
 from services.scheduler.request import FINISH_REASONS, Request, RequestStatus
-from shared.protocol import EngineOutput, NewRequest, RunningRequest, StepBatch, StepResult
+from services.scheduler.structured_output import (
+    GrammarEntry,
+    GrammarFailed,
+    SequenceGrammar,
+    StructuredOutputManager,
+)
+from shared.protocol import (
+    EngineOutput,
+    NewRequest,
+    RunningRequest,
+    StepBatch,
+    StepResult,
+    TokenLogprobs,
+)
 from shared.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from shared.config import EngineSettings
 
 _MASK64 = (1 << 64) - 1
+log = logging.getLogger("pagoda.scheduler")
 
 
 class RequestRejected(ValueError):
@@ -84,9 +103,17 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, config: SchedulerConfig, clock: Callable[[], float] = time.time,
+                 structured_output: StructuredOutputManager | None = None) -> None:
         self.config = config
         self.clock = clock  # wall-clock seconds, as the frontends' arrival times
+        # None: requests with structured_outputs are rejected
+        self.structured_output = structured_output
+        self._compiling: list[Request] = []  # WAITING_FOR_GRAMMAR, in the waiting queue
+        self._num_grammar_seqs = 0  # live sequences with a grammar (0: steps skip the masks)
+        # (request id, code, message) of requests that failed after admission (a grammar
+        # that did not compile): the caller answers each with a RequestError (take_errors)
+        self._errors: list[tuple[str, str, str]] = []
         self.metrics = EngineMetrics()
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.requests: dict[str, list[Request]] = {}  # request_id -> its children
@@ -114,6 +141,7 @@ class Scheduler:
         ``arrival_time`` (wall clock) is when the client's request arrived; default now.
         """
         self._validate(request_id, prompt_token_ids, params)
+        grammar = self._grammar_entry(params)
         arrival = self.clock() if arrival_time is None else arrival_time
         prompt_len = len(prompt_token_ids)
         max_tokens = self.config.max_model_len - prompt_len
@@ -127,15 +155,21 @@ class Scheduler:
         for index in range(params.n):
             child_params = params
             if params.n > 1:
-                # each child its own stream; seed + index keeps n > 1 reproducible (as vLLM)
+                # each child its own stream; seed + index keeps n > 1 reproducible (as vLLM);
+                # the prompt's logprobs are child 0's to compute
                 seed = None if params.seed is None else _wrap_i64(params.seed + index)
-                child_params = msgspec.structs.replace(params, n=1, seed=seed)
+                child_params = msgspec.structs.replace(
+                    params, n=1, seed=seed,
+                    prompt_logprobs=params.prompt_logprobs if index == 0 else None)
             children.append(Request(
                 request_id=request_id, index=index, token_ids=list(prompt_token_ids),
                 num_prompt_tokens=prompt_len, sampling_params=child_params, order_key=order_key,
                 max_tokens=max_tokens, stop_ids=stop_ids, seq_id=next(self._seq_ids),
                 arrival_time=arrival,
+                prompt_logprobs=None if child_params.prompt_logprobs is None else [None],
             ))
+        if grammar is not None:
+            self._await_grammar(children, grammar)
         self.requests[request_id] = children
         for child in children:
             bisect.insort(self.waiting, child, key=_order)
@@ -165,6 +199,9 @@ class Scheduler:
             )
         if cfg.vocab_size and any(not 0 <= t < cfg.vocab_size for t in params.stop_token_ids):
             raise RequestRejected("invalid_request", f"stop_token_ids must be in [0, {cfg.vocab_size})")
+        if cfg.vocab_size and params.logit_bias and any(
+                not 0 <= t < cfg.vocab_size for t in params.logit_bias):
+            raise RequestRejected("invalid_request", f"logit_bias token ids must be in [0, {cfg.vocab_size})")
         if params.n > 1 and params.n > cfg.max_num_seqs:
             raise RequestRejected("invalid_request", f"n={params.n} exceeds max_num_seqs {cfg.max_num_seqs}")
 
@@ -195,6 +232,8 @@ class Scheduler:
         """One step. ``scheduled_request_ids`` is in the order the runner executes:
         every one-token sequence (decodes, and a last prompt token) first, then the
         multi-token chunks, so workers neither re-sort the batch nor the results."""
+        if self._compiling:
+            self._poll_grammars()
         # seq_id -> (request, tokens this step, blocks added this step)
         scheduled: dict[int, tuple[Request, int, list[int]]] = {}
         preemptions_before = self._num_preemptions
@@ -219,12 +258,14 @@ class Scheduler:
                 running_requests.append(RunningRequest(req.seq_id, new_blocks))
             (singles if n == 1 else chunks).append((req.seq_id, n))
         order = singles + chunks
+        grammar_seq_ids, grammar_bitmasks = self._grammar_bitmasks(scheduled, order)
         batch = StepBatch(
             step_id=next(self._step_ids), new_requests=new_requests,
             running_requests=running_requests,
             scheduled_request_ids=[seq_id for seq_id, _ in order],
             num_scheduled_tokens=[n for _, n in order],
             finished_request_ids=self._dropped_seq_ids,
+            grammar_seq_ids=grammar_seq_ids, grammar_bitmasks=grammar_bitmasks,
         )
         self._dropped_seq_ids = []
         if not self.running and not self.waiting:
@@ -285,6 +326,8 @@ class Scheduler:
             req.on_worker = False
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        if req.prompt_logprobs is not None:  # mid-prefill: the prompt is computed again
+            req.prompt_logprobs = [None]
         req.num_preemptions += 1
         self._num_preemptions += 1
         bisect.insort(self.waiting, req, key=_order)
@@ -295,6 +338,9 @@ class Scheduler:
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < cap:
             req = self.waiting[i]
+            if req.status is RequestStatus.WAITING_FOR_GRAMMAR:  # never blocks the queue
+                i += 1
+                continue
             shared = self._shared_prefix(req)
             if shared is None:  # a child waiting for its sibling 0 to compute the prompt
                 i += 1
@@ -337,6 +383,8 @@ class Scheduler:
                 # full prompt blocks, leaving at least one token for the child to compute
                 num_full = (req.num_prompt_tokens - 1) // self.config.block_size
                 return bm.block_ids(first.seq_id)[:num_full]
+        if req.prompt_logprobs is not None:
+            return []  # a cache hit would skip prompt positions it must score (as vLLM)
         hits = bm.find_cached_prefix(req.token_ids)
         if req.num_preemptions == 0 and req.index == 0:
             self._prefix_queries += req.num_prompt_tokens
@@ -359,6 +407,10 @@ class Scheduler:
             req.num_computed_tokens += n
             if n > 1 or req.num_computed_tokens % block_size == 0:  # a block may have filled
                 bm.cache_full_blocks(seq_id, req.token_ids, req.num_computed_tokens)
+        for chunk in result.prompt_logprobs:
+            req = live.get(chunk.request_id)
+            if req is not None and req.prompt_logprobs is not None:
+                req.prompt_logprobs[chunk.start:] = chunk.logprobs
         max_model_len = self.config.max_model_len
         # logprobs may be empty when no sequence of the step asked for them
         all_logprobs = result.logprobs or itertools.repeat(None)
@@ -372,13 +424,28 @@ class Scheduler:
                 req.first_token_time = now
             req.last_token_time = now
             status = req.check_stop(token, max_model_len)
+            if req.grammar is not None:
+                status = self._advance_grammar(req, token, status)
             if status is not None:
                 self.running.remove(req)
                 self._finish(req, status)
-            outputs.append(self._output(req, [token], [logprobs]))
+            output = self._output(req, [token], [logprobs])
+            if req.prompt_logprobs is not None:  # its first token: the prompt is all scored
+                output.prompt_logprobs = self._take_prompt_logprobs(req)
+            outputs.append(output)
         return outputs
 
+    @staticmethod
+    def _take_prompt_logprobs(req: Request) -> list[TokenLogprobs | None]:
+        """Hand over a sequence's prompt logprobs; a resume after preemption does not
+        compute them again (and may use prefix-cache hits)."""
+        scored, req.prompt_logprobs = req.prompt_logprobs or [], None
+        req.sampling_params = msgspec.structs.replace(req.sampling_params, prompt_logprobs=None)
+        return scored
+
     def _finish(self, req: Request, status: RequestStatus) -> None:
+        if req.grammar is not None:
+            self._num_grammar_seqs -= 1
         if self.block_manager.holds(req.seq_id):
             self.block_manager.free(req.seq_id)
         if req.on_worker:
@@ -399,6 +466,74 @@ class Scheduler:
             num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
         )
 
+    # -- structured output (services/scheduler/structured_output.py) --------------------
+    def _grammar_entry(self, params: SamplingParams) -> GrammarEntry | None:
+        so = params.structured_outputs
+        if so is None:
+            return None
+        if self.structured_output is None:
+            raise RequestRejected("invalid_request", "structured output is not available here")
+        try:
+            return self.structured_output.request(so)  # a compile starts off this thread
+        except GrammarFailed as e:
+            raise RequestRejected("invalid_request", str(e)) from None
+
+    def _await_grammar(self, children: list[Request], entry: GrammarEntry) -> None:
+        for child in children:  # each child its own matcher, once the grammar compiled
+            child.grammar = SequenceGrammar(entry)
+            child.status = RequestStatus.WAITING_FOR_GRAMMAR
+        self._compiling += children
+        self._num_grammar_seqs += len(children)
+
+    def _poll_grammars(self) -> None:
+        """Sequences whose grammar compiled become schedulable; a request whose grammar
+        failed (or timed out) ends, its RequestError left for ``take_errors``."""
+        assert self.structured_output is not None
+        compiling, self._compiling = self._compiling, []
+        for req in compiling:
+            if req.status is not RequestStatus.WAITING_FOR_GRAMMAR or req.grammar is None:
+                continue  # aborted meanwhile, or failed with a sibling
+            try:
+                ready = self.structured_output.matcher_ready(req.grammar)
+            except GrammarFailed as e:
+                self.abort_request([req.request_id])  # frees nothing: it never ran
+                self._errors.append((req.request_id, "invalid_request", str(e)))
+                continue
+            if ready:
+                req.status = RequestStatus.WAITING
+            else:
+                self._compiling.append(req)
+
+    def _grammar_bitmasks(self, scheduled: dict[int, tuple[Request, int, list[int]]],
+                          order: list[tuple[int, int]]) -> tuple[list[int], bytes]:
+        """The masks of the sequences with a grammar that sample this step, in batch order."""
+        if not self._num_grammar_seqs:
+            return [], b""
+        assert self.structured_output is not None
+        sampling = [(req.seq_id, req.grammar) for req, n, _ in (scheduled[s] for s, _ in order)
+                    if req.grammar is not None and req.num_computed_tokens + n == req.num_tokens]
+        if not sampling:
+            return [], b""
+        kept, masks = self.structured_output.fill_bitmasks([g for _, g in sampling])
+        return [sampling[i][0] for i in kept], masks
+
+    def _advance_grammar(self, req: Request, token: int, status: RequestStatus | None,
+                         ) -> RequestStatus | None:
+        """The sampled token through the sequence's matcher: a complete output stops it."""
+        assert self.structured_output is not None and req.grammar is not None
+        if not self.structured_output.accept(req.grammar, token):
+            # the workers sample inside the mask, so this is a bug; end it, not the engine
+            log.error("request %s: token %d is outside its grammar; aborted", req.request_id, token)
+            return RequestStatus.FINISHED_ABORTED
+        if req.grammar.terminated and status is None:
+            return RequestStatus.FINISHED_STOPPED
+        return status
+
+    def take_errors(self) -> list[tuple[str, str, str]]:
+        """(request id, code, message) of the requests that failed since the last call."""
+        errors, self._errors = self._errors, []
+        return errors
+
     # -- health ----------------------------------------------------------------------
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
@@ -415,7 +550,8 @@ class Scheduler:
         live = {r.seq_id for r in self.running}
         if set(bm.seqs) != live:
             raise AssertionError(f"blocks held by {sorted(set(bm.seqs) ^ live)} disagree with running")
-        if any(r.status != RequestStatus.WAITING and r.status != RequestStatus.PREEMPTED for r in self.waiting):
+        waiting = (RequestStatus.WAITING, RequestStatus.WAITING_FOR_GRAMMAR, RequestStatus.PREEMPTED)
+        if any(r.status not in waiting for r in self.waiting):
             raise AssertionError("a waiting sequence has a running or finished status")
 
     def check_invariants_on_idle(self) -> None:

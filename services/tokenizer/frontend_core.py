@@ -113,7 +113,8 @@ class FrontendCore:
                 params = prompt.sampling_params
                 rid = self.engine.new_request_id()
                 state = RequestState(rid, i, params, len(prompt.prompt_token_ids), self.tokenizer,
-                                     stream, request)
+                                     stream, request, prompt.prompt_token_ids,
+                                     skip_special_tokens=prompt.skip_special_tokens)
                 await self.engine.add(state, prompt.prompt_token_ids, params)
                 request.engine_request_ids.append(rid)
         except BaseException:

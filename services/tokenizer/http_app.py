@@ -9,7 +9,8 @@
 Request bodies are ``http_protocol``'s models (they become ``PromptInput``s); responses
 are shaped by ``http_responses``; running requests is ``HttpRequests``'s job
 (``http_requests.py``); errors are ``http_errors``'s. The server around the app is
-``http_api.py``.
+``http_api.py``. Chat requests with ``tools`` go through ``tool_calls.ToolCalling``
+(``--tool-call-parser``), which may constrain them and shapes their tool calls.
 """
 
 from __future__ import annotations
@@ -33,20 +34,23 @@ from services.tokenizer.http_protocol import (
     TokenizeRequest,
     chat_turns,
     check_model,
+    template_tools,
 )
 from services.tokenizer.http_requests import HttpRequests
 from services.tokenizer.http_responses import ResponseBuilder
 from services.tokenizer.input_processor import InputProcessor, InvalidRequest, PromptInput
+from services.tokenizer.tool_calls import ToolCalling
 from shared.sampling_params import SamplingParams
 
 
-def build_app(api: HttpRequests, max_body_bytes: int) -> FastAPI:
+def build_app(api: HttpRequests, max_body_bytes: int, tool_call_parser: str = "auto") -> FastAPI:
     app = FastAPI(title="pagoda", summary="OpenAI-compatible API of a pagoda frontend")
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     created = int(time.time())
     core = api.core
     processor, tokenizer, model_names = core.processor, core.tokenizer, list(core.served_model_names)
+    tool_calling = ToolCalling.from_setting(tool_call_parser, tokenizer)
 
     def model_of(requested: str | None) -> str:
         check_model(requested, model_names)
@@ -58,18 +62,22 @@ def build_app(api: HttpRequests, max_body_bytes: int) -> FastAPI:
         prompts = body.prompt_inputs()
         echo = [_prompt_text(processor, p) for p in prompts] if body.echo else None
         builder = ResponseBuilder("completion", api.new_response_id("cmpl"), model, tokenizer,
-                                  prompts[0].sampling_params.n, echo=echo,
+                                  body.num_choices, echo=echo,
                                   logprobs=body.logprobs is not None,
-                                  include_usage=body.include_usage)
+                                  include_usage=body.include_usage,
+                                  best_of=prompts[0].sampling_params.n,
+                                  tokens_as_ids=bool(body.return_tokens_as_token_ids))
         return await api.generate(request, prompts, builder, bool(body.stream))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         model = model_of(body.model)
-        prompt = body.prompt_input()
+        prompt, tool_calls = body.tool_input(tool_calling)
         builder = ResponseBuilder("chat", api.new_response_id("chatcmpl"), model, tokenizer,
                                   prompt.sampling_params.n, logprobs=bool(body.logprobs),
-                                  include_usage=body.include_usage)
+                                  include_usage=body.include_usage,
+                                  tokens_as_ids=bool(body.return_tokens_as_token_ids),
+                                  tool_calls=tool_calls)
         return await api.generate(request, [prompt], builder, bool(body.stream))
 
     @app.get("/v1/models")
@@ -89,7 +97,8 @@ def build_app(api: HttpRequests, max_body_bytes: int) -> FastAPI:
                 token_ids = processor.tokenize(body.prompt)
             else:
                 chat = PromptInput(SamplingParams(), messages=chat_turns(body.messages or []),
-                                   add_generation_prompt=body.add_generation_prompt)
+                                   add_generation_prompt=body.add_generation_prompt,
+                                   tools=template_tools(body.tools))
                 token_ids = processor.tokenize(processor.render_chat(chat))
         except InvalidRequest as e:
             raise bad_request(str(e)) from None

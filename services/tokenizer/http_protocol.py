@@ -1,7 +1,7 @@
 """Request bodies of the HTTP API (OpenAI's shapes, vLLM's extras) and what they become.
 
 Every body forbids unknown fields, so a parameter we do not implement (``suffix``,
-``logit_bias``, ``tools``, ...) is a 400 naming it, never silently ignored; non-finite
+``functions``, ...) is a 400 naming it, never silently ignored; non-finite
 numbers (JSON ``NaN``/``Infinity``) are refused. A body becomes one ``PromptInput`` (the
 frontend's own type, not a wire message) per prompt with one ``SamplingParams``; the range checks are ``SamplingParams``'s own,
 so the HTTP API, the native API and the scheduler agree on what is valid.
@@ -9,13 +9,26 @@ so the HTTP API, the native API and the scheduler agree on what is valid.
 
 from __future__ import annotations
 
-from typing import Literal
+import json
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+import msgspec
+from pydantic import BaseModel, ConfigDict, Field
 
 from services.tokenizer.http_errors import ApiError, bad_request
 from services.tokenizer.input_processor import ChatTurn, PromptInput
-from shared.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
+from services.tokenizer.tool_calls import (
+    ToolCalling,
+    ToolCallOutput,
+    ToolRequestError,
+    tool_request,
+)
+from shared.sampling_params import (
+    MAX_LOGPROBS,
+    SamplingParams,
+    SamplingParamsError,
+    StructuredOutputsParams,
+)
 
 MAX_PROMPTS = 256  # prompts in one completions request
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default; chat defaults to the room left
@@ -27,6 +40,37 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool | None = False
+
+
+class JsonSchemaFormat(_Body):
+    """OpenAI's ``response_format.json_schema``; ``strict`` is accepted: the schema is
+    always enforced."""
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsBody(_Body):
+    """vLLM's ``structured_outputs`` extra body: exactly one of these."""
+
+    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def params(self) -> StructuredOutputsParams:
+        schema = self.json_ if self.json_ is None or isinstance(self.json_, str) else (
+            json.dumps(self.json_))
+        return StructuredOutputsParams(json=schema, regex=self.regex, choice=self.choice,
+                                       grammar=self.grammar, json_object=bool(self.json_object))
 
 
 class _Sampling(_Body):
@@ -47,7 +91,17 @@ class _Sampling(_Body):
     repetition_penalty: float | None = None
     ignore_eos: bool | None = None
     min_tokens: int | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
+    return_tokens_as_token_ids: bool | None = None  # vLLM: logprobs name "token_id:<id>"
     user: str | None = None  # accepted (OpenAI clients send it), not used
+    # structured output: OpenAI's response_format, vLLM's structured_outputs, or one of the
+    # guided_* names vLLM had until 0.12 (accepted for older clients); at most one of them
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
 
@@ -55,7 +109,8 @@ class _Sampling(_Body):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _params(self, max_tokens: int | None, logprobs: int | None,
+                **extra: Any) -> SamplingParams:
         values = {
             "n": self.n, "temperature": self.temperature, "top_p": self.top_p,
             "top_k": self.top_k, "min_p": self.min_p, "seed": self.seed,
@@ -63,6 +118,8 @@ class _Sampling(_Body):
             "frequency_penalty": self.frequency_penalty,
             "repetition_penalty": self.repetition_penalty, "stop_token_ids": self.stop_token_ids,
             "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens, "logprobs": logprobs,
+            "logit_bias": _logit_bias(self.logit_bias),
+            "structured_outputs": self._structured_outputs(), **extra,
         }
         given = {k: v for k, v in values.items() if v is not None}
         if self.stop is not None:
@@ -75,17 +132,66 @@ class _Sampling(_Body):
             raise bad_request(str(e), e.param) from None
 
 
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        """The one constraint the body asks for (None: free text); 400 for several."""
+        given: dict[str, dict[str, Any] | StructuredOutputsBody] = {}
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            given["response_format"] = {"json_object": True}
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise bad_request("response_format json_schema needs json_schema.schema",
+                                  "response_format")
+            given["response_format"] = {"json": rf.json_schema.schema_}
+        if self.structured_outputs is not None:
+            given["structured_outputs"] = self.structured_outputs
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+            if getattr(self, name) is not None:
+                given[name] = {name.removeprefix("guided_"): getattr(self, name)}
+        if len(given) > 1:
+            names = list(given)
+            raise bad_request(f"give one way of structuring the output, got {', '.join(names)}",
+                              names[1])
+        for name, value in given.items():
+            try:
+                return (value.params() if isinstance(value, StructuredOutputsBody)
+                        else StructuredOutputsParams(**value))
+            except SamplingParamsError as e:
+                raise bad_request(str(e) if e.param == name else f"{name}: {e}", name) from None
+        return None
+
+
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool | None = False
     logprobs: int | None = None
+    best_of: int | None = None  # vLLM 0.x: best_of samples, the n most likely returned
 
     def sampling_params(self) -> SamplingParams:
-        if self.logprobs is not None and self.echo:
-            raise bad_request("echo with logprobs is not supported (no prompt logprobs)",
-                              "logprobs")
+        """What the engine runs: with ``best_of`` > n, ``best_of`` samples (with their
+        logprobs, to rank them); with ``echo`` and ``logprobs``, prompt logprobs too."""
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens
-        return self._params(max_tokens, self.logprobs)
+        prompt_logprobs = self.logprobs if self.echo else None
+        params = self._params(max_tokens, self.logprobs, prompt_logprobs=prompt_logprobs)
+        if self.best_of is None or self.best_of == params.n:
+            return params
+        if self.best_of < params.n:
+            raise bad_request(f"best_of ({self.best_of}) must be >= n ({params.n})", "best_of")
+        if self.stream:
+            raise bad_request("best_of > n is not supported with stream: true (the best "
+                              "samples are known only at the end)", "best_of")
+        if params.is_greedy:
+            raise bad_request("best_of > n needs temperature > 0 (greedy samples are all "
+                              "the same)", "best_of")
+        try:
+            return msgspec.structs.replace(params, n=self.best_of, logprobs=params.logprobs or 0)
+        except SamplingParamsError as e:
+            raise bad_request(str(e).replace("n:", "best_of:", 1), "best_of") from None
+
+    @property
+    def num_choices(self) -> int:
+        """Choices per prompt in the response (n; best_of only widens what runs)."""
+        return 1 if self.n is None else self.n
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: text, or token ids."""
@@ -115,14 +221,75 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionBody(_Body):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+    strict: bool | None = None  # accepted; required/named calls follow the schema anyway
+
+
+class ToolBody(_Body):
+    type: Literal["function"]
+    function: FunctionBody
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class ToolChoiceBody(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ToolCallFunction(_Body):
+    name: str
+    arguments: str  # JSON text, as OpenAI returns it
+
+
+class ToolCallBody(_Body):
+    """A call an assistant message made, sent back in the history."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+    def for_template(self, where: str) -> dict[str, Any]:
+        """The call as chat templates expect it: ``arguments`` parsed (vLLM does so too)."""
+        text = self.function.arguments
+        try:
+            arguments = json.loads(text) if text.strip() else {}
+        except ValueError:
+            raise bad_request(f"{where}.function.arguments is not valid JSON", "messages") from None
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.function.name, "arguments": arguments}}
+
+
 class ChatMessageBody(_Body):
     role: str
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None = None  # None: an assistant turn with tool_calls
+    tool_calls: list[ToolCallBody] | None = None  # role "assistant"
+    tool_call_id: str | None = None  # role "tool": the call this answers
+    name: str | None = None
 
-    def text(self) -> str:
-        if isinstance(self.content, str):
+    def text(self) -> str | None:
+        if self.content is None or isinstance(self.content, str):
             return self.content
         return "\n".join(part.text for part in self.content)
+
+    def turn(self, i: int) -> ChatTurn:
+        where = f"messages[{i}]"
+        if self.tool_calls and self.role != "assistant":
+            raise bad_request(f"{where}: only assistant messages have tool_calls", "messages")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise bad_request(f"{where}: content may be null only in an assistant message "
+                              "with tool_calls", "messages")
+        if self.role == "tool" and not self.tool_call_id:
+            raise bad_request(f"{where}: a tool message needs the tool_call_id it answers",
+                              "messages")
+        calls = tuple(c.for_template(f"{where}.tool_calls[{j}]")
+                      for j, c in enumerate(self.tool_calls or ()))
+        return ChatTurn(self.role, self.text(), calls, self.tool_call_id, self.name)
 
 
 class ChatCompletionRequest(_Sampling):
@@ -130,6 +297,9 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
+    tools: list[ToolBody] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ToolChoiceBody | None = None
+    parallel_tool_calls: bool | None = None
 
     def sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
@@ -146,7 +316,19 @@ class ChatCompletionRequest(_Sampling):
     def prompt_input(self) -> PromptInput:
         if not self.messages:
             raise bad_request("messages must not be empty", "messages")
-        return PromptInput(self.sampling_params(), messages=chat_turns(self.messages))
+        return PromptInput(self.sampling_params(), messages=chat_turns(self.messages),
+                           tools=template_tools(self.tools))
+
+    def tool_input(self, calling: ToolCalling) -> tuple[PromptInput, ToolCallOutput | None]:
+        """The prompt as the engine runs it under ``tool_choice``, and what turns its
+        output into tool calls (None: the text is content)."""
+        choice = self.tool_choice
+        named = choice.model_dump() if isinstance(choice, ToolChoiceBody) else choice
+        try:
+            request = tool_request(template_tools(self.tools), named, self.parallel_tool_calls)
+            return calling.prepare(self.prompt_input(), request)
+        except ToolRequestError as e:
+            raise bad_request(str(e), e.param) from None
 
 
 class TokenizeRequest(_Body):
@@ -156,10 +338,33 @@ class TokenizeRequest(_Body):
     prompt: str | None = None
     messages: list[ChatMessageBody] | None = None
     add_generation_prompt: bool = True
+    tools: list[ToolBody] | None = None  # rendered by the chat template, as in chat requests
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's JSON keys are token ids as strings; SamplingParams checks the bounds."""
+    if bias is None:
+        return None
+    try:
+        return {int(key): value for key, value in bias.items()}
+    except ValueError:
+        raise bad_request("logit_bias keys must be token ids (integers)", "logit_bias") from None
 
 
 def chat_turns(messages: list[ChatMessageBody]) -> list[ChatTurn]:
-    return [ChatTurn(m.role, m.text()) for m in messages]
+    return [m.turn(i) for i, m in enumerate(messages)]
+
+
+def template_tools(tools: list[ToolBody] | None) -> list[dict[str, Any]] | None:
+    """The tools as the chat template gets them (OpenAI's shape; bounds checked)."""
+    if not tools:
+        return None
+    dicts = [t.model_dump(exclude_none=True) for t in tools]
+    try:
+        tool_request(dicts, None, None)
+    except ToolRequestError as e:
+        raise bad_request(str(e), e.param) from None
+    return dicts
 
 
 class DetokenizeRequest(_Body):

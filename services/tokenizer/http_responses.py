@@ -6,16 +6,26 @@ One ``ResponseBuilder`` per HTTP request shapes its outputs as a whole response
 ``index`` is ``prompt_index * n + sample_index``, as OpenAI numbers them. Usage counts
 every prompt once and every sample's output tokens. Logprobs use OpenAI's two shapes:
 completions' ``tokens`` / ``token_logprobs`` / ``top_logprobs`` / ``text_offset`` and
-chat's ``content`` list; a token's text is its decoded string.
+chat's ``content`` list; a token's text is its decoded string (``token_id:<id>`` with
+vLLM's ``return_tokens_as_token_ids``). With ``echo`` and ``logprobs`` a completion's
+logprobs cover the prompt tokens first (the first one ``null``), then the output.
+``best_of`` (completions, not streamed): of the ``best_of`` samples of each prompt, the
+``n`` with the highest cumulative logprob become its choices, most likely first, as
+vLLM 0.x did; usage counts every generated token, as OpenAI bills them. A chat request
+with tools gets its text through ``tool_calls.ToolCallOutput``: ``message.tool_calls``,
+or ``delta.tool_calls`` while streaming, and ``finish_reason: "tool_calls"``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
 from services.tokenizer.output_processor import SampleOutput
+from services.tokenizer.tool_calls import ToolCallOutput
 from shared.protocol import TokenLogprobs
 
 Kind = Literal["completion", "chat"]
@@ -26,7 +36,8 @@ class ResponseBuilder:
 
     def __init__(self, kind: Kind, response_id: str, model: str, tokenizer: Any | None,
                  n: int, *, echo: Sequence[str] | None = None, logprobs: bool = False,
-                 include_usage: bool = False) -> None:
+                 include_usage: bool = False, best_of: int | None = None,
+                 tokens_as_ids: bool = False, tool_calls: ToolCallOutput | None = None) -> None:
         self.kind, self.response_id, self.model = kind, response_id, model
         self.created = int(time.time())
         self.include_usage = include_usage
@@ -34,17 +45,19 @@ class ResponseBuilder:
         self._n = n
         self._echo = list(echo) if echo is not None else None  # per prompt
         self._logprobs = logprobs
+        self._best_of = best_of if best_of is not None and best_of > n else None
+        self._tokens_as_ids = tokens_as_ids
+        self._tool_calls = tool_calls  # chat with tools: the text parsed into tool calls
         self._prompt_tokens: dict[int, int] = {}  # prompt index -> tokens
-        self._output_tokens: dict[int, int] = {}  # choice index -> tokens so far
+        self._output_tokens: dict[tuple[int, int], int] = {}  # (prompt, sample) -> tokens
         self._text_offset: dict[int, int] = {}  # choice index -> chars sent (completions)
         self._started: set[int] = set()  # choices whose first chunk went out
 
     # -- usage ------------------------------------------------------------------------------
     def _note(self, out: SampleOutput) -> int:
-        choice = out.prompt_index * self._n + out.index
         self._prompt_tokens[out.prompt_index] = out.num_prompt_tokens
-        self._output_tokens[choice] = out.num_output_tokens
-        return choice
+        self._output_tokens[(out.prompt_index, out.index)] = out.num_output_tokens
+        return out.prompt_index * self._n + out.index
 
     def usage(self) -> dict[str, Any]:
         prompt = sum(self._prompt_tokens.values())
@@ -57,8 +70,12 @@ class ResponseBuilder:
         """The non-streaming body, from each sample's single (final) output."""
         choices = []
         for out in outputs:
+            self._note(out)  # usage: every sample generated, best_of's dropped ones too
+        if self._best_of is not None:
+            outputs = self._keep_best(outputs)
+        for out in outputs:
             prompt_index = out.prompt_index
-            choice = self._note(out)
+            choice = prompt_index * self._n + out.index
             text = out.text
             if self.kind == "completion":
                 if self._echo is not None:
@@ -68,15 +85,30 @@ class ResponseBuilder:
                                 "finish_reason": out.finish_reason,
                                 "stop_reason": out.stop_reason})
             else:
-                choices.append({"index": choice,
-                                "message": {"role": "assistant", "content": text},
+                message, finish_reason = {"role": "assistant", "content": text}, out.finish_reason
+                if self._tool_calls is not None:
+                    message, finish_reason = self._tool_calls.message(text, finish_reason)
+                choices.append({"index": choice, "message": message,
                                 "logprobs": self._chat_logprobs(out),
-                                "finish_reason": out.finish_reason,
+                                "finish_reason": finish_reason,
                                 "stop_reason": out.stop_reason})
         choices.sort(key=lambda c: c["index"])
         return {"id": self.response_id, "object": self._object(chunk=False),
                 "created": self.created, "model": self.model, "choices": choices,
                 "usage": self.usage()}
+
+    def _keep_best(self, outputs: Sequence[SampleOutput]) -> list[SampleOutput]:
+        """Per prompt, the n samples with the highest cumulative logprob, renumbered in
+        that order (ties: the lower sample index first)."""
+        by_prompt: dict[int, list[SampleOutput]] = {}
+        for out in outputs:
+            by_prompt.setdefault(out.prompt_index, []).append(out)
+        kept: list[SampleOutput] = []
+        for samples in by_prompt.values():
+            samples.sort(key=lambda o: (-_cumulative_logprob(o), o.index))
+            kept.extend(dataclasses.replace(o, index=rank)
+                        for rank, o in enumerate(samples[: self._n]))
+        return kept
 
     # -- stream chunks ------------------------------------------------------------------------
     def chunks(self, out: SampleOutput) -> list[dict[str, Any]]:
@@ -100,11 +132,14 @@ class ResponseBuilder:
             chunks.append(self._chunk({"index": choice,
                                        "delta": {"role": "assistant", "content": ""},
                                        "logprobs": None, "finish_reason": None}))
-        if out.text or out.finish_reason is not None or (self._logprobs and out.token_ids):
-            delta = {"content": out.text} if out.text else {}
+        delta: dict[str, Any] = {"content": out.text} if out.text else {}
+        finish_reason = out.finish_reason
+        if self._tool_calls is not None:  # content held back, tool_calls deltas
+            delta, finish_reason = self._tool_calls.delta(choice, out.text, finish_reason)
+        if delta or finish_reason is not None or (self._logprobs and out.token_ids):
             chunks.append(self._chunk({"index": choice, "delta": delta,
                                        "logprobs": self._chat_logprobs(out),
-                                       "finish_reason": out.finish_reason,
+                                       "finish_reason": finish_reason,
                                        "stop_reason": out.stop_reason}))
         return chunks
 
@@ -128,7 +163,7 @@ class ResponseBuilder:
 
     # -- logprobs ------------------------------------------------------------------------------
     def _token_text(self, token_id: int) -> str:
-        if self._tokenizer is None:
+        if self._tokenizer is None or self._tokens_as_ids:
             return f"token_id:{token_id}"
         return str(self._tokenizer.decode([token_id]))
 
@@ -137,8 +172,13 @@ class ResponseBuilder:
         if not self._logprobs:
             return None
         offset = self._text_offset.get(choice, 0) + echo_chars
+        pairs: Iterable[tuple[int, TokenLogprobs | None]] = zip(out.token_ids, out.logprobs)
+        if out.prompt_logprobs is not None and out.prompt_token_ids is not None:
+            # echo: the prompt's tokens come first, from offset 0
+            offset = self._text_offset.get(choice, 0)
+            pairs = itertools.chain(zip(out.prompt_token_ids, out.prompt_logprobs), pairs)
         tokens, token_lps, tops, offsets = [], [], [], []
-        for token_id, lp in zip(out.token_ids, out.logprobs):
+        for token_id, lp in pairs:
             text = self._token_text(token_id)
             tokens.append(text)
             offsets.append(offset)
@@ -169,3 +209,7 @@ class ResponseBuilder:
                      "logprob": v} for tid, v in zip(lp.top_token_ids, lp.top_logprobs)]
             content.append(entry)
         return {"content": content}
+
+
+def _cumulative_logprob(out: SampleOutput) -> float:
+    return sum(lp.logprob for lp in out.logprobs if lp is not None)

@@ -7,8 +7,11 @@ offline ``LLM`` from its arguments), and each becomes the prompt token ids and r
 wrong, so a bad request never reaches the scheduler (RELIABILITY.md: validate after
 defaults are resolved). Tokenization is ``tokenizer(prompt)["input_ids"]``, chat is
 ``apply_chat_template(..., tokenize=False)`` then that: one way for every API, so the
-service and the offline engine give a prompt the same tokens. ``load_tokenizer`` is the
-one tokenizer loader of the project.
+service and the offline engine give a prompt the same tokens. ``load_tokenizer`` (re-exported
+from ``shared/tokenizer_loader.py``, which the scheduler uses too) is the one tokenizer
+loader of the project. A structured-output constraint is checked here by building its
+grammar (``shared/structured_output.py``), so an invalid schema, regex or grammar is an
+``InvalidRequest`` too.
 
 Sampling parameters were already range-checked by the codec's typed decode (the
 ``SamplingParams`` constructor validates); what needs the model (vocab, lengths) is
@@ -26,6 +29,8 @@ import msgspec
 
 from shared import model_limits
 from shared.sampling_params import SamplingParams
+from shared.structured_output import GrammarError, check_constraint
+from shared.tokenizer_loader import load_tokenizer  # noqa: F401 -- re-exported (main.py, pagoda.LLM)
 
 
 class InvalidRequest(ValueError):
@@ -45,7 +50,23 @@ class ModelLimits:
 @dataclass(frozen=True)
 class ChatTurn:
     role: str
-    content: str
+    content: str | None  # None: an assistant turn that only called tools
+    # an assistant's calls, OpenAI's shape with "arguments" parsed from JSON (what chat
+    # templates expect, as in transformers and vLLM)
+    tool_calls: tuple[dict[str, Any], ...] = ()
+    tool_call_id: str | None = None  # role "tool": the call it answers
+    name: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The message as the chat template gets it (keys only where set)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            message["tool_calls"] = [dict(c) for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
+        return message
 
 
 @dataclass(frozen=True)
@@ -57,12 +78,15 @@ class PromptInput:
     prompt_token_ids: list[int] | None = None
     messages: list[ChatTurn] | None = None  # rendered through the model's chat template
     add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None  # OpenAI function tools, for the chat template
+    skip_special_tokens: bool = True  # False: the output text keeps them (tool call markers)
 
 
 @dataclass(frozen=True)
 class ProcessedPrompt:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams  # max_tokens resolved (never None)
+    skip_special_tokens: bool = True
 
 
 def load_limits(model_dir: Path, max_model_len: int | None = None) -> ModelLimits:
@@ -87,26 +111,6 @@ def load_limits(model_dir: Path, max_model_len: int | None = None) -> ModelLimit
     return ModelLimits(max_model_len=limit, vocab_size=vocab_size)
 
 
-def load_tokenizer(model_dir: Path) -> Any | None:
-    """The model's HF tokenizer, or None when the directory has no tokenizer files.
-
-    Directories that ``pagoda fetch`` writes name ``PreTrainedTokenizerFast``; loading
-    that class directly gives the same tokenizer as ``AutoTokenizer`` without importing
-    torch (seconds of start-up). Anything else goes through ``AutoTokenizer``.
-    """
-    if not any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
-        return None
-    tc_path = model_dir / "tokenizer_config.json"
-    tc = json.loads(tc_path.read_text()) if tc_path.is_file() else {}
-    if tc.get("tokenizer_class") == "PreTrainedTokenizerFast":
-        from transformers import PreTrainedTokenizerFast
-
-        return PreTrainedTokenizerFast.from_pretrained(model_dir)
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
-
-
 class InputProcessor:
     """PromptInput -> ProcessedPrompt, or InvalidRequest. No I/O, no state."""
 
@@ -117,7 +121,7 @@ class InputProcessor:
     def process(self, req: PromptInput) -> ProcessedPrompt:
         token_ids = self._prompt_token_ids(req)
         params = self._resolve_params(req.sampling_params, len(token_ids))
-        return ProcessedPrompt(token_ids, params)
+        return ProcessedPrompt(token_ids, params, req.skip_special_tokens)
 
     def process_all(self, reqs: list[PromptInput]) -> list[ProcessedPrompt]:
         """Every prompt of one client request, all valid before any reaches the engine."""
@@ -171,10 +175,13 @@ class InputProcessor:
         tokenizer = self._require_tokenizer()
         if not getattr(tokenizer, "chat_template", None):
             raise InvalidRequest("the model has no chat template; send a prompt instead")
-        conversation = [{"role": m.role, "content": m.content} for m in req.messages]
+        conversation = [m.as_dict() for m in req.messages]
+        # tools only when given: a template sees exactly what it saw before tools existed
+        tools = {"tools": req.tools} if req.tools else {}
         try:
             text = tokenizer.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=req.add_generation_prompt
+                conversation, tokenize=False, add_generation_prompt=req.add_generation_prompt,
+                **tools,
             )
         except Exception as e:  # noqa: BLE001 -- templates raise TemplateError, TypeError, ... for bad input
             raise InvalidRequest(f"the chat template refused the messages: {e}"[:500]) from None
@@ -191,6 +198,16 @@ class InputProcessor:
             raise InvalidRequest("the model has no tokenizer; send prompt_token_ids")
         return self.tokenizer
 
+    def _check_structured_outputs(self, params: SamplingParams) -> None:
+        if params.structured_outputs is None:
+            return
+        if self.tokenizer is None:  # the scheduler compiles grammars over its vocabulary
+            raise InvalidRequest("structured_outputs needs the model's tokenizer, and it has none")
+        try:
+            check_constraint(params.structured_outputs)
+        except GrammarError as e:
+            raise InvalidRequest(str(e)) from None
+
     def _check_vocab(self, token_ids: list[int], name: str) -> None:
         vocab = self.limits.vocab_size
         for i, t in enumerate(token_ids):
@@ -199,6 +216,11 @@ class InputProcessor:
 
     def _resolve_params(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
         self._check_vocab(params.stop_token_ids, "stop_token_ids")
+        self._check_structured_outputs(params)
+        vocab = self.limits.vocab_size
+        if params.logit_bias and (bad := [t for t in params.logit_bias if not 0 <= t < vocab]):
+            raise InvalidRequest(
+                f"logit_bias: token id {bad[0]} is not in the vocabulary (0..{vocab - 1})")
         room = self.limits.max_model_len - prompt_len
         max_tokens = room if params.max_tokens is None else params.max_tokens
         if max_tokens > room:

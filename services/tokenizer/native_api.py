@@ -63,6 +63,7 @@ def generate_output(client_request_id: str, out: SampleOutput) -> GenerateOutput
         stop_reason=None if stop is None else str(stop),
         num_prompt_tokens=out.num_prompt_tokens, num_output_tokens=out.num_output_tokens,
         num_cached_tokens=out.num_cached_tokens,
+        prompt_token_ids=out.prompt_token_ids or [], prompt_logprobs=out.prompt_logprobs or [],
     )
 
 

@@ -14,6 +14,10 @@ up with an abort) are ignored.
 
 Detokenization is incremental (``IncrementalDetokenizer``), so streamed deltas
 concatenated equal the final text, multi-byte characters included.
+
+Prompt logprobs (``prompt_logprobs``) arrive once, with sample 0's first tokens; every
+sample's first ``SampleOutput`` (its only one when not streaming) carries them with the
+prompt's token ids, as vLLM's outputs do.
 """
 
 from __future__ import annotations
@@ -50,6 +54,10 @@ class SampleOutput:
     num_prompt_tokens: int
     num_output_tokens: int  # of this sample, so far
     num_cached_tokens: int
+    # in each sample's first output, when the request asked prompt_logprobs: the prompt's
+    # token ids and each one's logprobs (the first None)
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 OutputItem = SampleOutput | RequestFailed
@@ -69,6 +77,7 @@ class _Sample:
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    prompt_logprobs_sent: bool = False
 
 
 class RequestState:
@@ -77,6 +86,8 @@ class RequestState:
     def __init__(
         self, engine_request_id: str, prompt_index: int, params: SamplingParams,
         num_prompt_tokens: int, tokenizer: Any | None, stream: bool, sink: OutputSink,
+        prompt_token_ids: Sequence[int] | None = None,  # needed with prompt_logprobs
+        skip_special_tokens: bool = True,  # False: kept in the text (tool call markers)
     ) -> None:
         self.engine_request_id = engine_request_id
         self.prompt_index = prompt_index
@@ -86,9 +97,14 @@ class RequestState:
         self.num_prompt_tokens = num_prompt_tokens
         self.num_cached_tokens = 0
         self._want_logprobs = params.logprobs is not None
+        self.prompt_token_ids = (list(prompt_token_ids or ())
+                                 if params.prompt_logprobs is not None else None)
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = None  # once they arrive
+        self._skip_special = skip_special_tokens
         self.samples = [
             _Sample(i, IncrementalDetokenizer(tokenizer, params.stop,
-                                              params.include_stop_str_in_output)
+                                              params.include_stop_str_in_output,
+                                              skip_special_tokens)
                     if tokenizer is not None else None)
             for i in range(params.n)
         ]
@@ -106,13 +122,18 @@ class RequestState:
             return None, False  # ended by a stop string or an abort; late output
         if out.num_cached_tokens:
             self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
+        if out.prompt_logprobs and self.prompt_token_ids is not None:
+            self.prompt_logprobs = list(out.prompt_logprobs)
         start = len(sample.token_ids)
         sample.token_ids.extend(out.new_token_ids)
         if self._want_logprobs:
             sample.logprobs.extend(list(out.new_logprobs) or [None] * len(out.new_token_ids))
         text, hit = "", False
         if sample.detok is not None:
-            delta = sample.detok.push(out.new_token_ids)
+            new_ids = out.new_token_ids
+            if not self._skip_special and out.finish_reason == "stop" and new_ids:
+                new_ids = new_ids[:-1]  # the stop token (EOS) is no text, as vLLM's
+            delta = sample.detok.push(new_ids)
             text = delta.text
             if delta.stop_string is not None:
                 sample.finish_reason, sample.stop_reason = "stop", delta.stop_string
@@ -142,7 +163,7 @@ class RequestState:
         return outputs
 
     def _output(self, sample: _Sample, text: str, start: int) -> SampleOutput:
-        return SampleOutput(
+        output = SampleOutput(
             prompt_index=self.prompt_index, index=sample.index, text=text,
             token_ids=sample.token_ids[start:],
             logprobs=sample.logprobs[start:] if self._want_logprobs else [],
@@ -150,6 +171,11 @@ class RequestState:
             num_prompt_tokens=self.num_prompt_tokens, num_output_tokens=len(sample.token_ids),
             num_cached_tokens=self.num_cached_tokens,
         )
+        if self.prompt_logprobs is not None and not sample.prompt_logprobs_sent:
+            sample.prompt_logprobs_sent = True
+            output.prompt_token_ids, output.prompt_logprobs = (self.prompt_token_ids,
+                                                               self.prompt_logprobs)
+        return output
 
     def _final(self, sample: _Sample) -> SampleOutput:
         return self._output(sample, sample.detok.text if sample.detok is not None else "", 0)

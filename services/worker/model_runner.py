@@ -8,7 +8,9 @@ so a step carries only deltas (see ``shared.protocol``). Each step it:
    backends want), so neither the batch nor the results are re-sorted;
 3. runs the model, computes logits only for requests that reached the end of their
    known tokens (a request mid chunked-prefill samples nothing), samples, and
-   appends the sampled tokens to its own state.
+   appends the sampled tokens to its own state (the rows of sequences under a grammar
+   are masked first: ``grammar_bitmask.py``); requests asking ``prompt_logprobs``
+   also get logits for this chunk's prompt rows (``prompt_logprobs.py``).
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ import numpy as np
 import torch
 
 from services.worker.attention.base import AttentionBackend, AttentionMetadata
+from services.worker.grammar_bitmask import GrammarBitmask
 from services.worker.models.llama import KVCache, LlamaForCausalLM
+from services.worker.prompt_logprobs import compute_prompt_logprobs, plan_prompt_logprobs
 from services.worker.sampler import Sampler, SamplingRow
-from shared.protocol import NewRequest, StepBatch, StepResult
+from shared.protocol import NewRequest, PromptLogprobs, StepBatch, StepResult
 from shared.sampling_params import SamplingParams
 
 
@@ -118,13 +122,18 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(model, num_blocks, block_size, kv_dtype, self.device)
         self.sampler = Sampler(model.config.vocab_size, model.config.eos_token_ids, self.device)
         self.requests: dict[int, CachedRequestState] = {}
+        # requests asking prompt_logprobs whose prompt is not computed yet (empty: no cost)
+        self._prompt_logprobs_ids: set[int] = set()
 
     # -- state table ---------------------------------------------------------------
     def _apply_deltas(self, batch: StepBatch) -> None:
         for rid in batch.finished_request_ids:
             self.requests.pop(rid, None)
+            self._prompt_logprobs_ids.discard(rid)
         for new in batch.new_requests:
             self.requests[new.request_id] = self._new_state(new)
+            if new.sampling_params.prompt_logprobs is not None:
+                self._prompt_logprobs_ids.add(new.request_id)
         for running in batch.running_requests:
             state = self.requests.get(running.request_id)
             if state is None:
@@ -154,13 +163,15 @@ class ModelRunner:
             return StepResult(step_id=batch.step_id), {}
         flat = self._flatten(batch)
         hidden = self.model(flat.input_ids, flat.positions, self.kv_caches, flat.meta, self.backend)
+        prompt_logprobs = self._prompt_logprobs(flat, hidden) if self._prompt_logprobs_ids else []
         for state, n in zip(flat.order, np.diff(flat.meta.query_start_loc_host).tolist()):
             state.num_computed_tokens += n
         if not flat.sample_rows:
-            return StepResult(step_id=batch.step_id), {}
+            return StepResult(step_id=batch.step_id, prompt_logprobs=prompt_logprobs), {}
         logits = self.model.compute_logits(hidden.index_select(0, flat.logit_indices))
         samplers = [flat.order[i] for i in flat.sample_rows]
-        out = self.sampler(logits, [s.rows for s in samplers])
+        grammar = self._grammar_bitmask(batch, samplers) if batch.grammar_seq_ids else None
+        out = self.sampler(logits, [s.rows for s in samplers], grammar)
         sampled = out.sampled_token_ids.tolist()
         for state, token in zip(samplers, sampled):
             state.token_ids.append(token)
@@ -170,8 +181,39 @@ class ModelRunner:
             request_ids=[s.request_id for s in samplers],
             sampled_token_ids=sampled,
             logprobs=out.logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
         return result, {s.request_id: logits[j] for j, s in enumerate(samplers)}
+
+    def _prompt_logprobs(self, flat: _FlatBatch, hidden: torch.Tensor) -> list[PromptLogprobs]:
+        """Logprobs of the prompt tokens this step's chunks score, for the sequences that
+        asked (run before their computed counts advance)."""
+        qsl = flat.meta.query_start_loc_host
+        seqs, chunk_starts, chunk_lens = [], [], []
+        for i, state in enumerate(flat.order):
+            if state.request_id not in self._prompt_logprobs_ids:
+                continue
+            n = qsl[i + 1] - qsl[i]
+            seqs.append((state, state.sampling_params.prompt_logprobs or 0))
+            chunk_starts.append(qsl[i])
+            chunk_lens.append(n)
+            if state.num_computed_tokens + n >= state.num_prompt_tokens - 1:
+                self._prompt_logprobs_ids.discard(state.request_id)  # the last one needed
+        plan = plan_prompt_logprobs(seqs, chunk_starts, chunk_lens, self.device)
+        return [] if plan is None else compute_prompt_logprobs(self.model, hidden, plan)
+
+    def _grammar_bitmask(self, batch: StepBatch, samplers: list[CachedRequestState]) -> GrammarBitmask:
+        """The step's structured-output masks, on the rows of the sequences they belong to."""
+        row_of = {s.request_id: i for i, s in enumerate(samplers)}
+        missing = [sid for sid in batch.grammar_seq_ids if sid not in row_of]
+        if missing:
+            raise StepError(f"grammar masks for sequences {missing} that do not sample this step")
+        try:
+            return GrammarBitmask.from_bytes([row_of[sid] for sid in batch.grammar_seq_ids],
+                                             batch.grammar_bitmasks, self.sampler.vocab_size,
+                                             self.device)
+        except ValueError as e:
+            raise StepError(str(e)) from None
 
     def _flatten(self, batch: StepBatch) -> _FlatBatch:
         order: list[CachedRequestState] = []

@@ -5,8 +5,10 @@ logits of every request that samples this step; the tokens (and logprobs) go bac
 the scheduler in a ``StepResult``. Per row, in order (OpenAI / vLLM definitions):
 
 1. min_tokens: until ``min_tokens`` outputs exist, stop ids and (unless ``ignore_eos``)
-   EOS ids get logit ``-inf``;
+   EOS ids get logit ``-inf``; ``logit_bias`` is added (OpenAI: before sampling);
 2. penalties: repetition (prompt + output), frequency and presence (output only);
+   then structured output: a row with a grammar mask keeps only the tokens it allows
+   (``grammar_bitmask.py``; ``-inf`` elsewhere; min_tokens does not apply to such a row);
 3. greedy rows (temperature below ``GREEDY_EPS``) take the argmax;
 4. other rows: logits / temperature -> softmax -> top-k -> top-p (on the top-k
    renormalised distribution) -> min-p, then the exponential race
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import cpu_fused
+from services.worker.grammar_bitmask import GrammarBitmask, apply_grammar_bitmask
 from shared.protocol import TokenLogprobs
 from shared.sampling_params import SamplingParams
 
@@ -65,6 +68,15 @@ class PenaltyMetadata:
 
 
 @dataclass
+class LogitBiasMetadata:
+    """One entry per (row, token) of the rows with a ``logit_bias``."""
+
+    rows: torch.Tensor  # [N] int64 batch rows
+    token_ids: torch.Tensor  # [N] int64 (unique per row: the bias is a dict)
+    values: torch.Tensor  # [N] float32 added to those logits
+
+
+@dataclass
 class RandomMetadata:
     """The rows that sample. ``*_pos`` index into these rows, not the batch."""
 
@@ -97,6 +109,7 @@ class SamplingMetadata:
     penalties: PenaltyMetadata | None
     logprob_rows: torch.Tensor  # [L] int64
     num_logprobs: list[int]  # [L]
+    logit_bias: LogitBiasMetadata | None = None  # None: no row has a bias
 
     @property
     def is_plain_greedy(self) -> bool:
@@ -106,6 +119,7 @@ class SamplingMetadata:
             and self.penalties is None
             and self.min_tokens_ids.numel() == 0
             and not self.num_logprobs
+            and self.logit_bias is None
         )
 
     @classmethod
@@ -130,6 +144,7 @@ class SamplingMetadata:
             penalties=_penalty_metadata(rows, vocab_size, device),
             logprob_rows=_long(lp, device),
             num_logprobs=[rows[i].params.logprobs or 0 for i in lp],
+            logit_bias=_logit_bias_metadata(rows, vocab_size, device),
         )
 
 
@@ -151,7 +166,8 @@ def _min_tokens_pairs(
     pair_rows: list[int] = []
     pair_ids: list[int] = []
     for i, r in enumerate(rows):
-        if len(r.output_token_ids) >= r.params.min_tokens:
+        # under structured output the grammar decides where the output may end
+        if len(r.output_token_ids) >= r.params.min_tokens or r.params.structured_outputs:
             continue
         ids = set(r.params.stop_token_ids)
         if not r.params.ignore_eos:
@@ -160,6 +176,24 @@ def _min_tokens_pairs(
         pair_rows.extend([i] * len(ids))
         pair_ids.extend(sorted(ids))
     return pair_rows, pair_ids
+
+
+def _logit_bias_metadata(
+    rows: Sequence[SamplingRow], vocab_size: int, device: torch.device | str
+) -> LogitBiasMetadata | None:
+    biased = [(i, r.params.logit_bias) for i, r in enumerate(rows) if r.params.logit_bias]
+    if not biased:
+        return None
+    pair_rows: list[int] = []
+    pair_ids: list[int] = []
+    values: list[float] = []
+    for i, bias in biased:
+        ids = [t for t in bias if 0 <= t < vocab_size]  # the scheduler checked; stay safe
+        pair_rows.extend([i] * len(ids))
+        pair_ids.extend(ids)
+        values.extend(bias[t] for t in ids)
+    return LogitBiasMetadata(_long(pair_rows, device), _long(pair_ids, device),
+                             torch.tensor(values, dtype=torch.float32, device=device))
 
 
 def _penalty_metadata(
@@ -247,6 +281,14 @@ def apply_min_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.
     """Ban stop / EOS ids of rows short of min_tokens. In place on [B, V] logits; returns them."""
     if metadata.min_tokens_ids.numel():
         logits[metadata.min_tokens_rows, metadata.min_tokens_ids] = float("-inf")
+    return logits
+
+
+def apply_logit_bias(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Add each biased row's ``logit_bias``. In place on [B, V] logits; returns them."""
+    lb = metadata.logit_bias
+    if lb is not None:
+        logits.index_put_((lb.rows, lb.token_ids), lb.values, accumulate=True)
     return logits
 
 
@@ -401,7 +443,8 @@ class Sampler:
         else:
             self.generator.manual_seed(seed & _MASK64)
 
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
+                 grammar: GrammarBitmask | None = None) -> SamplerOutput:
         if logits.shape != (len(rows), self.vocab_size):
             raise ValueError(
                 f"logits {tuple(logits.shape)} != ({len(rows)} rows, {self.vocab_size} vocab)"
@@ -409,16 +452,21 @@ class Sampler:
         metadata = SamplingMetadata.from_rows(
             rows, self.vocab_size, self.eos_token_ids, self.device
         )
-        return self.sample(logits, metadata)
+        return self.sample(logits, metadata, grammar)
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+    def sample(self, logits: torch.Tensor, metadata: SamplingMetadata,
+               grammar: GrammarBitmask | None = None) -> SamplerOutput:
         raw = logits.float()  # [B, V]
-        if metadata.is_plain_greedy:
+        if metadata.is_plain_greedy and grammar is None:
             return SamplerOutput(argmax_rows(raw), [None] * metadata.num_rows)
         logits = raw
-        if metadata.penalties is not None or metadata.min_tokens_ids.numel():
-            logits = apply_penalties(apply_min_tokens(raw.clone(), metadata), metadata)
+        if (metadata.penalties is not None or metadata.min_tokens_ids.numel()
+                or metadata.logit_bias is not None):
+            logits = apply_min_tokens(raw.clone(), metadata)
+            logits = apply_penalties(apply_logit_bias(logits, metadata), metadata)
+        if grammar is not None:  # -inf stays -inf through the steps above and below
+            logits = apply_grammar_bitmask(logits if logits is not raw else raw.clone(), grammar)
         rm = metadata.random
         if rm is None:
             sampled = argmax_rows(logits)  # [B]

@@ -165,9 +165,10 @@ BAD: list[tuple[str, str, Any, int, str | None, list[str]]] = [
     ("out of vocab", "completions", {"prompt": [1, 49152]}, 400, None, ["vocabulary"]),
     ("bad JSON", "completions", b'{"prompt": "hi"', 400, None, ["JSON"]),
     ("suffix", "completions", {"prompt": "hi", "suffix": "x"}, 400, "suffix", ["unsupported"]),
-    ("logit_bias", "completions", {"prompt": "hi", "logit_bias": {"1": 2}}, 400, "logit_bias",
-     ["unsupported"]),
-    ("tools", "chat/completions", {"messages": CHAT, "tools": []}, 400, "tools", ["unsupported"]),
+    ("logit_bias out of vocab", "completions", {"prompt": "hi", "logit_bias": {"49152": 2}},
+     400, None, ["logit_bias", "vocabulary"]),
+    ("functions", "chat/completions", {"messages": CHAT, "functions": []}, 400, "functions",
+     ["unsupported"]),  # OpenAI's deprecated form of tools
     ("unknown model", "completions", {"model": "gpt-9", "prompt": "hi"}, 404, "model",
      ["gpt-9"]),
     ("over the body limit", "completions", BIG, 413, None, ["limit"]),

@@ -4,13 +4,15 @@ tokens instead of running a model, so scheduler tests run in microseconds per st
 
 It is strict about the protocol: a running request it has no state for, a step that
 computes past the known tokens, or a block table too short for the step fails loudly.
+A sequence asking ``prompt_logprobs`` gets fabricated ones (prompt token p: logprob -p),
+and must start at token 0 (no prefix-cache hit may skip a position it has to score).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.protocol import StepBatch, StepResult
+from shared.protocol import PromptLogprobs, StepBatch, StepResult, TokenLogprobs
 
 
 @dataclass
@@ -18,6 +20,8 @@ class _Seq:
     token_ids: list[int]
     block_ids: list[int]
     num_computed: int
+    num_prompt: int = 0
+    prompt_logprobs: bool = False
 
 
 class FakeWorker:
@@ -39,12 +43,19 @@ class FakeWorker:
             self.seqs.pop(rid, None)
         for new in batch.new_requests:
             assert new.request_id not in self.seqs, f"{new.request_id} sent twice"
-            self.seqs[new.request_id] = _Seq(list(new.token_ids), list(new.block_ids), new.num_computed_tokens)
+            wants = new.sampling_params.prompt_logprobs is not None
+            assert not wants or new.num_computed_tokens == 0, f"{new.request_id} skips prompt tokens"
+            self.seqs[new.request_id] = _Seq(list(new.token_ids), list(new.block_ids),
+                                             new.num_computed_tokens, new.num_prompt_tokens, wants)
         for running in batch.running_requests:
             self.seqs[running.request_id].block_ids.extend(running.new_block_ids)
         result = StepResult(step_id=batch.step_id)
         for rid, n in zip(batch.scheduled_request_ids, batch.num_scheduled_tokens, strict=True):
             seq = self.seqs[rid]
+            if seq.prompt_logprobs and seq.num_computed < seq.num_prompt - 1:
+                end = min(seq.num_computed + n, seq.num_prompt - 1)
+                result.prompt_logprobs.append(PromptLogprobs(rid, seq.num_computed + 1, [
+                    TokenLogprobs(-float(p), 1, [], []) for p in range(seq.num_computed + 1, end + 1)]))
             seq.num_computed += n
             assert seq.num_computed <= len(seq.token_ids), f"{rid} computes past its tokens"
             assert len(seq.block_ids) * self.block_size >= seq.num_computed, f"{rid} lacks blocks"

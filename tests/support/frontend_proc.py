@@ -31,6 +31,7 @@ class FrontendStack:
     proc: subprocess.Popen[bytes]
     native: str  # the frontend's native-API address
     log_path: Path
+    http_port: int = 0  # its HTTP API's port on 127.0.0.1
 
     @property
     def native_path(self) -> Path:
@@ -64,13 +65,14 @@ def start_frontend(model_dir: Path, *, env: dict[str, str] | None = None,
     run_dir = Path(tempfile.mkdtemp(prefix="pgfe-", dir="/tmp"))
     scheduler = FakeScheduler(f"ipc://{run_dir}/sched.sock").start()
     native = f"ipc://{run_dir}/fe0.sock"
+    http_port = free_port()
     full_env = dict(
         os.environ,
         PAGODA_SCHEDULER_FRONTEND=scheduler.address,
         PAGODA_FRONTEND_NATIVE=native,
         PAGODA_MODEL=str(model_dir),
         # its own free port: SO_REUSEPORT would otherwise share 8000 with other stacks
-        PAGODA_HTTP_PORT=str(free_port()),
+        PAGODA_HTTP_PORT=str(http_port),
         PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
         **(env or {}),
     )
@@ -83,7 +85,7 @@ def start_frontend(model_dir: Path, *, env: dict[str, str] | None = None,
             stderr=subprocess.STDOUT,
         )
     os.close(write_fd)
-    stack = FrontendStack(run_dir, scheduler, proc, native, log_path)
+    stack = FrontendStack(run_dir, scheduler, proc, native, log_path, http_port)
     try:
         wait_ready(read_fd, startup_timeout_s, lambda: proc.poll() is None)
     except Exception:  # noqa: BLE001 -- any start-up failure: report the log, then fail

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import msgspec
 import pytest
 import zmq
@@ -38,7 +39,7 @@ from shared.protocol import (
     GenerateRequest,
     RequestError,
 )
-from shared.sampling_params import SamplingParams
+from shared.sampling_params import SamplingParams, StructuredOutputsParams
 from support.fake_scheduler import Script, wait_until
 from support.frontend_proc import REPO_ROOT, FrontendStack, start_frontend
 
@@ -106,6 +107,13 @@ INVALID = {
                                     params=SamplingParams(max_tokens=None, min_tokens=5)),
     "stop_token_out_of_vocab": _req(prompt="hi", params=SamplingParams(stop_token_ids=[10**6])),
     "chat_renders_too_long": _req(messages=[ChatMessage("user", "hello world " * 40)]),
+    # structured output: the frontend builds the grammar (xgrammar) before sending anything
+    "bad_regex": _req(prompt="hi", params=SamplingParams(
+        structured_outputs=StructuredOutputsParams(regex="(unclosed"))),
+    "bad_schema": _req(prompt="hi", params=SamplingParams(
+        structured_outputs=StructuredOutputsParams(json='{"type": "objectx"}'))),
+    "bad_grammar": _req(prompt="hi", params=SamplingParams(
+        structured_outputs=StructuredOutputsParams(grammar="root ::= undefined"))),
 }
 
 
@@ -118,6 +126,29 @@ def test_invalid_requests_get_typed_errors_and_never_reach_the_scheduler(
     assert isinstance(reply, RequestError), reply
     assert reply.request_id == "bad-1" and reply.code == "invalid_request", reply
     assert len(stack.scheduler.adds) == before
+
+
+@pytest.mark.parametrize("body", [
+    {"structured_outputs": {"regex": "(unclosed"}},
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "x",
+                                                                "schema": {"type": "objectx"}}}},
+    {"guided_grammar": "root ::= undefined"},
+    {"guided_json": "{not json"},
+])
+def test_invalid_constraints_are_http_400_and_never_reach_the_scheduler(
+        stack: FrontendStack, body: dict[str, Any]) -> None:
+    before = len(stack.scheduler.adds)
+    r = httpx.post(f"http://127.0.0.1:{stack.http_port}/v1/completions",
+                   json={"prompt": "hi", "max_tokens": 4, **body}, timeout=20)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+    assert len(stack.scheduler.adds) == before
+
+
+def test_a_constraint_reaches_the_scheduler_as_sent(stack: FrontendStack, client: Client) -> None:
+    stack.scheduler.script_for = lambda add: Script([[70, 71]])
+    client.generate("hi", max_tokens=4, structured_outputs={"json": {"type": "object"}})
+    so = stack.scheduler.adds[-1][1].sampling_params.structured_outputs
+    assert so == StructuredOutputsParams(json='{"type": "object"}')
 
 
 def test_too_long_error_names_both_numbers(client: Client) -> None:

@@ -14,7 +14,7 @@ from services.tokenizer.input_processor import (
     load_limits,
     load_tokenizer,
 )
-from shared.sampling_params import SamplingParams
+from shared.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def test_limits_come_from_config_and_respect_a_configured_length(tiny_llama_dir: Path) -> None:
@@ -34,3 +34,6 @@ def test_a_model_without_tokenizer_serves_token_ids_only(tiny_llama_dir: Path) -
                 PromptInput(SamplingParams(), messages=[ChatTurn("user", "hi")])):
         with pytest.raises(InvalidRequest, match="no tokenizer"):
             proc.process(req)
+    constrained = SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+"))
+    with pytest.raises(InvalidRequest, match="structured_outputs needs the model's tokenizer"):
+        proc.process(PromptInput(constrained, prompt_token_ids=[3, 4]))
