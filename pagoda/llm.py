@@ -117,14 +117,20 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: Sequence[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
+        """As vLLM's ``LLM.chat``: ``tools`` (OpenAI function tools) are rendered by the
+        chat template; the output text is returned as the model wrote it (parse tool calls
+        from it, or constrain it with ``SamplingParams.structured_outputs``)."""
         if not messages:
             raise ValueError("messages must not be empty")
         conversations = [messages] if isinstance(messages[0], dict) else messages
+        extra = dict(chat_template_kwargs or {})
+        if tools is not None:
+            extra["tools"] = list(tools)
         prompts = [
             self._require_tokenizer().apply_chat_template(
-                list(conv), tokenize=False, add_generation_prompt=add_generation_prompt,
-                **(chat_template_kwargs or {}),
+                list(conv), tokenize=False, add_generation_prompt=add_generation_prompt, **extra,
             )
             for conv in conversations
         ]

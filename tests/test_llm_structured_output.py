@@ -17,6 +17,7 @@ import pytest
 
 from pagoda import LLM
 from shared.sampling_params import SamplingParams, StructuredOutputsParams
+from support.tool_model import make_tool_model
 
 SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -115,3 +116,25 @@ def test_an_unusable_constraint_is_a_value_error(llm: LLM, so: StructuredOutputs
     assert not llm.engine.has_unfinished_requests()
     st = llm.stats()
     assert (st.running, st.waiting, st.kv_usage) == (0, 0, 0.0)
+
+
+def test_offline_chat_renders_tools_and_a_required_call_validates(
+        smollm2_dir: Path, tmp_path: Path) -> None:
+    """LLM.chat(tools=...) as vLLM's: the template renders the tools; a call is forced with
+    the same JSON-schema constraint the HTTP API builds for tool_choice=required."""
+    tool = {"type": "function", "function": {
+        "name": "get_weather", "description": "Weather of a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                       "required": ["city"]}}}
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+              "required": ["city"], "additionalProperties": False}
+    llm = LLM(str(make_tool_model(smollm2_dir, tmp_path / "tools")), dtype="float32",
+              num_kv_blocks=128)
+    params = SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=(
+        StructuredOutputsParams(json=json.dumps(schema))))
+    out = llm.chat([{"role": "user", "content": "Weather in Paris?"}], params,
+                   use_tqdm=False, tools=[tool])[0]
+    assert out.prompt is not None and '"name": "get_weather"' in out.prompt
+    jsonschema.validate(json.loads(out.outputs[0].text), schema)
+    plain = llm.chat([{"role": "user", "content": "Weather in Paris?"}], params, use_tqdm=False)[0]
+    assert plain.prompt is not None and "get_weather" not in plain.prompt
