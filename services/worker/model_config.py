@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shared.model_limits import sliding_window
+from shared.model_limits import rope_parameters
 
 # rope_scaling types the model code computes as HF does (layers/rotary.py)
 SCALED_ROPE_TYPES = ("linear", "llama3", "yarn", "dynamic", "longrope")
@@ -48,9 +48,6 @@ class ModelConfig:
     bos_token_id: int | None
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k, before rotary
     partial_rotary_factor: float = 1.0  # Phi-4-mini: the rotated fraction of each head
-    # the attention window every layer applies (None: full causal attention); the model
-    # code attends fully, so max_model_len is capped at it (shared/model_limits.py)
-    sliding_window: int | None = None
     # config.json as read: transformers' rope functions take the whole config
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -78,10 +75,13 @@ class ModelConfig:
             raise ModelLoadError(f"unsupported hidden_act {act!r} (only silu)")
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
-        rope_theta, rope_scaling = _rope_params(cfg)
-        rope_type = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type"))
-        if rope_scaling is not None and rope_type not in SCALED_ROPE_TYPES:
-            raise ModelLoadError(f"rope_scaling: unsupported rope type {rope_type!r} "
+        # transformers 5 writes rope_parameters; older configs rope_theta + rope_scaling
+        rope_theta = float((cfg.get("rope_parameters") or {}).get(
+            "rope_theta", cfg.get("rope_theta", 10000.0)))
+        rope_scaling = rope_parameters(cfg) or None
+        if rope_scaling is not None and rope_scaling["rope_type"] not in SCALED_ROPE_TYPES:
+            raise ModelLoadError(f"rope_scaling: unsupported rope type "
+                                 f"{rope_scaling['rope_type']!r} "
                                  f"(supported: default, {', '.join(SCALED_ROPE_TYPES)})")
         attention_bias = bool(cfg.get("attention_bias", False))
         is_qwen2 = arch == "Qwen2ForCausalLM"
@@ -108,28 +108,8 @@ class ModelConfig:
             qk_norm=is_qwen3,
             partial_rotary_factor=float((cfg.get("rope_parameters") or {}).get(
                 "partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))),
-            sliding_window=_window(cfg),
             hf_config=dict(cfg),
         )
-
-
-def _window(cfg: dict[str, Any]) -> int | None:
-    try:
-        return sliding_window(cfg)
-    except ValueError as e:
-        raise ModelLoadError(str(e)) from None
-
-
-def _rope_params(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    # transformers 5 writes rope_parameters; older configs write rope_theta + rope_scaling
-    params = cfg.get("rope_parameters") or {}
-    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    scaling = cfg.get("rope_scaling") or None
-    if scaling is None and params.get("rope_type", "default") != "default":
-        scaling = dict(params)
-    if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "default":
-        scaling = None
-    return theta, scaling
 
 
 def _eos_ids(cfg: dict[str, Any], gen: dict[str, Any]) -> tuple[int, ...]:

@@ -8,7 +8,6 @@ scheduler in its ``WorkerReady`` handshake.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,8 +106,8 @@ def build_runner(model_dir: Path, spec: RunnerSpec) -> BuiltRunner:
         # compiled (first run on a machine) or loaded now, not in step 1
         cpu_fused.available()
         cpu_prefill.available()
-    max_model_len = model_limits.max_model_len(
-        json.loads((Path(model_dir) / "config.json").read_text()), spec.max_model_len)
+    # the frontend applies the same rule to the same config.json (shared/model_limits.py)
+    max_model_len = model_limits.max_model_len(model.config.hf_config, spec.max_model_len)
     num_blocks = _num_blocks(model, spec, dtype, device)
     attention = get_attention_backend(device, spec.attention_backend)
     runner = ModelRunner(model, attention, num_blocks, spec.block_size, dtype, device)
