@@ -26,7 +26,7 @@ import torch
 
 from pagoda.client import Client
 from support.checkpoints import load_hf
-from support.live_stack import LiveStack, assert_idle_and_clean, start_stack, stop_stack
+from support.live_stack import LiveStack, assert_idle_and_clean, openai_client, serving
 
 pytestmark = pytest.mark.slow
 
@@ -40,12 +40,9 @@ TEXT = ("The lighthouse keeper climbed the narrow stairs every evening, carrying
 @pytest.fixture(scope="module")
 def stack(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveStack]:
     log_path = tmp_path_factory.mktemp("logprobs-serve") / "serve.log"
-    live = start_stack(smollm2_dir, log_path, 1, "--num-kv-blocks", "256", "--max-model-len",
-                       "1024", "--max-num-batched-tokens", "32")
-    try:
+    with serving(smollm2_dir, log_path, 1, "--num-kv-blocks", "256", "--max-model-len",
+                       "1024", "--max-num-batched-tokens", "32") as live:
         yield live
-    finally:
-        stop_stack(live)
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +58,7 @@ def tokenizer(smollm2_dir: Path) -> Any:
 
 
 def client(stack: LiveStack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=stack.http, api_key="unused", max_retries=0, timeout=120)
+    return openai_client(stack)
 
 
 def hf_logprobs(hf: Any, ids: list[int]) -> torch.Tensor:  # [P, V]: row p scores token p + 1

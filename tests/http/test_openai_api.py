@@ -22,7 +22,7 @@ import openai
 import pytest
 
 from pagoda import SamplingParams
-from support.live_stack import LiveStack, assert_idle_and_clean
+from support.live_stack import LiveStack, assert_idle_and_clean, openai_client
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +38,7 @@ def greedy(max_tokens: int) -> SamplingParams:
 
 
 def sync_client(stack: LiveStack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=stack.http, api_key="unused", max_retries=0, timeout=120)
+    return openai_client(stack)
 
 
 def async_client(stack: LiveStack) -> openai.AsyncOpenAI:

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from support.live_stack import LiveStack, start_stack, stop_stack
+from support.live_stack import LiveStack, serving
 
 pytestmark = pytest.mark.slow
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -20,12 +20,9 @@ Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 @pytest.fixture(scope="module")
 def stack(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveStack]:
-    s = start_stack(smollm2_dir, tmp_path_factory.mktemp("metrics") / "serve.log", 2,
-                    "--num-kv-blocks", "256", "--max-model-len", "1024")
-    try:
+    with serving(smollm2_dir, tmp_path_factory.mktemp("metrics") / "serve.log", 2,
+                    "--num-kv-blocks", "256", "--max-model-len", "1024") as s:
         yield s
-    finally:
-        stop_stack(s)
 
 
 def scrape(stack: LiveStack) -> tuple[str, Samples]:

@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from pagoda.client import Client
-from support.live_stack import LiveStack, assert_idle_and_clean, start_stack, stop_stack
+from support.live_stack import LiveStack, assert_idle_and_clean, openai_client, serving
 
 pytestmark = pytest.mark.slow
 
@@ -40,17 +40,14 @@ CHAT = [{"role": "user", "content": "Describe a city as JSON."}]
 @pytest.fixture(scope="module")
 def stack(tiny_smollm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveStack]:
     log_path = tmp_path_factory.mktemp("so-serve") / "serve.log"
-    s = start_stack(tiny_smollm_dir, log_path, 1, "--num-kv-blocks", "256", "--max-model-len",
-                    "512", "--max-num-seqs", "8")
-    try:
+    with serving(tiny_smollm_dir, log_path, 1, "--num-kv-blocks", "256", "--max-model-len",
+                    "512", "--max-num-seqs", "8") as s:
         yield s
-    finally:
-        stop_stack(s)
 
 
 @pytest.fixture(scope="module")
 def client(stack: LiveStack) -> openai.OpenAI:
-    c = openai.OpenAI(base_url=stack.http, api_key="unused", max_retries=0, timeout=120)
+    c = openai_client(stack)
     c.model = c.models.list().data[0].id  # type: ignore[attr-defined]
     return c
 

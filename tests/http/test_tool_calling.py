@@ -23,7 +23,7 @@ import jsonschema
 import openai
 import pytest
 
-from support.live_stack import LiveStack, assert_idle_and_clean, start_stack, stop_stack
+from support.live_stack import LiveStack, assert_idle_and_clean, openai_client, serving
 from support.tool_model import make_tool_model
 
 pytestmark = pytest.mark.slow
@@ -52,17 +52,14 @@ HISTORY = [*ASK,
 def stack(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveStack]:
     tmp = tmp_path_factory.mktemp("tools-serve")
     model = make_tool_model(smollm2_dir, tmp / "smollm2-tools")
-    s = start_stack(model, tmp / "serve.log", 1, "--num-kv-blocks", "256", "--max-model-len",
-                    "2048", "--max-num-seqs", "4")
-    try:
+    with serving(model, tmp / "serve.log", 1, "--num-kv-blocks", "256", "--max-model-len",
+                    "2048", "--max-num-seqs", "4") as s:
         yield s
-    finally:
-        stop_stack(s)
 
 
 @pytest.fixture(scope="module")
 def client(stack: LiveStack) -> openai.OpenAI:
-    c = openai.OpenAI(base_url=stack.http, api_key="unused", max_retries=0, timeout=120)
+    c = openai_client(stack)
     c.model = c.models.list().data[0].id  # type: ignore[attr-defined]
     return c
 

@@ -7,6 +7,7 @@ deadline instead of sleeping.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -14,9 +15,11 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import openai
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -84,6 +87,21 @@ def start_stack(model_dir: Path, log_path: Path, num_frontends: int, *extra: str
 
 
 IDLE = re.compile(r"idle: running=(\d+) waiting=(\d+) kv_usage=([0-9.]+) .* invariant_failures=(\d+)")
+
+
+@contextlib.contextmanager
+def serving(model_dir: Path, log_path: Path, num_frontends: int, *extra: str) -> Iterator[LiveStack]:
+    """``start_stack`` for a ``with`` block (a module fixture's body); stopped on exit."""
+    stack = start_stack(model_dir, log_path, num_frontends, *extra)
+    try:
+        yield stack
+    finally:
+        stop_stack(stack)
+
+
+def openai_client(stack: LiveStack) -> openai.OpenAI:
+    """The official client on the stack's HTTP API; no retries, so each call is one request."""
+    return openai.OpenAI(base_url=stack.http, api_key="unused", max_retries=0, timeout=120)
 
 
 def assert_idle_and_clean(stack: LiveStack, after: int) -> None:

@@ -33,9 +33,15 @@ FAMILIES = {  # name: (kind, config overrides)
 def test_greedy_tokens_equal_hf_generate(family: str, tmp_path: Path) -> None:
     kind, overrides = FAMILIES[family]
     model_dir = make_checkpoint(tmp_path / kind, kind, seed=5, **overrides)
-    gen = torch.Generator().manual_seed(9)
-    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (5, 23, 70)]
     llm = LLM(str(model_dir), dtype="float32", num_kv_blocks=64)
+    assert_greedy_equals_hf(llm, model_dir, seed=9, lengths=(5, 23, 70), what=family)
+
+
+def assert_greedy_equals_hf(llm: LLM, model_dir: Path, seed: int, lengths: tuple[int, ...],
+                            what: str) -> None:
+    """64 greedy tokens of random prompts of these lengths: ours exactly HF generate's."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in lengths]
     ours = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True),
                         use_tqdm=False)
     hf = load_hf(model_dir)
@@ -43,7 +49,7 @@ def test_greedy_tokens_equal_hf_generate(family: str, tmp_path: Path) -> None:
         with torch.no_grad():
             ref = hf.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False,
                               min_new_tokens=64, eos_token_id=None, pad_token_id=0)
-        assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist(), family
+        assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist(), what
 
 
 ROPE = {  # rope_parameters of a tiny Llama (head_dim 16, max_position_embeddings 1024)
@@ -60,19 +66,10 @@ ROPE = {  # rope_parameters of a tiny Llama (head_dim 16, max_position_embedding
 def test_rope_scaling_types_give_hf_greedy_tokens(rope_type: str, tmp_path: Path) -> None:
     params = {**ROPE[rope_type], "rope_theta": 10000.0}
     model_dir = make_checkpoint(tmp_path / rope_type, "llama", seed=8, rope_parameters=params)
-    gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (9, 60)]
     llm = LLM(str(model_dir), dtype="float32", num_kv_blocks=64)
     if rope_type in ("dynamic", "longrope"):  # HF changes frequencies past the original length
         assert llm.engine.max_model_len == (256 if rope_type == "longrope" else 1024)
-    ours = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True),
-                        use_tqdm=False)
-    hf = load_hf(model_dir)
-    for prompt, out in zip(prompts, ours):
-        with torch.no_grad():
-            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False,
-                              min_new_tokens=64, eos_token_id=None, pad_token_id=0)
-        assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist(), rope_type
+    assert_greedy_equals_hf(llm, model_dir, seed=3, lengths=(9, 60), what=rope_type)
 
 
 def test_an_unknown_rope_type_is_refused_at_load(tmp_path: Path) -> None:
