@@ -181,7 +181,9 @@ class SchedulerLoop:
                 self._subscribers += 1
             elif event == b"\x00":
                 self._subscribers -= 1
-                if self._subscribers < self.num_workers:
+                # while the scheduler itself is stopping, workers leaving is the shutdown
+                # (a stack stopped as a whole signals them all at once), not an engine death
+                if self._subscribers < self.num_workers and not self.stop.is_set():
                     raise EngineDeadError("a worker disconnected")
             else:
                 self.counter.record("scheduler_step", "not_a_subscription", event[:16], "ignored")

@@ -224,3 +224,29 @@ def test_watchdog_fails_requests_and_exits_1_when_a_step_never_ends(stack_factor
     stack.thread.join(5)
     assert stack.result == [1]
     assert time.monotonic() - started < 5.0
+
+
+
+def test_workers_leaving_during_the_schedulers_own_stop_is_not_an_engine_death() -> None:
+    """A stack stopped as a whole (compose, the launcher) signals every process at once: a
+    stopping scheduler that sees its worker leave must still end cleanly (exit 0)."""
+    with private_run_dir() as run_dir:
+        endpoints = Endpoints.local(run_dir)
+        config = load_config({"block_size": BLOCK_SIZE, "testing": True}, env={},
+                             default_endpoints=endpoints)
+        stop, counter = threading.Event(), MalformedFrameCounter()
+        sockets = SchedulerSockets.bind(config)
+        worker = HeldWorker(endpoints, hold_s=5.0)
+        thread = threading.Thread(target=worker.run, daemon=True)
+        thread.start()
+        try:
+            loop = SchedulerLoop(wait_for_workers(sockets, config, counter, stop), sockets, config,
+                                 counter, stop)
+            stop.set()  # SIGTERM reached the scheduler ...
+            worker.stop.set()  # ... and the worker, which leaves
+            thread.join(5)
+            assert sockets.steps.poll(5000, zmq.POLLIN), "no unsubscription arrived"
+            loop._watch_subscriptions()  # raised EngineDeadError before: exit 1 on a clean stop
+            assert loop.run() == 0
+        finally:
+            sockets.close()
