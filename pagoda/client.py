@@ -44,6 +44,8 @@ from shared.protocol import (
     GenerateRequest,
     RequestError,
     TokenLogprobs,
+    ToolCall,
+    ToolFunction,
 )
 from shared.sampling_params import SamplingParams
 
@@ -100,6 +102,8 @@ class SampleOutput:
     finish_reason: str | None = None  # "stop", "length", "abort"
     stop_reason: str | None = None  # the stop string, or the stop token id as text
     logprobs: list[TokenLogprobs | None] | None = None  # when asked for
+    # with tools: the calls the model made (``text`` is then the rest of its answer)
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
 
 @dataclass
@@ -145,6 +149,13 @@ class _Collector:
         s.token_ids.extend(out.token_ids)
         if s.logprobs is not None:
             s.logprobs.extend(out.logprobs)
+        for piece in out.tool_calls:
+            if piece.index >= len(s.tool_calls):
+                s.tool_calls.append(ToolCall(piece.index, piece.id, piece.name, piece.arguments))
+            else:
+                call = s.tool_calls[piece.index]
+                call.id, call.name = call.id or piece.id, call.name or piece.name
+                call.arguments += piece.arguments
         if out.finish_reason is not None:
             s.finish_reason, s.stop_reason = out.finish_reason, out.stop_reason
         self._completion[out.index] = out.num_output_tokens
@@ -161,21 +172,41 @@ class _Collector:
                               self.prompt_logprobs)
 
 
+Message = Mapping[str, Any] | ChatMessage
+Tool = Mapping[str, Any] | ToolFunction
+
+
 def _build_request(
     request_id: str,
     prompt: str | Sequence[int] | None,
-    messages: Sequence[Mapping[str, str] | ChatMessage] | None,
+    messages: Sequence[Message] | None,
     stream: bool,
     sampling: dict[str, Any],
 ) -> GenerateRequest:
-    """A GenerateRequest, or InvalidRequestError for what the client can see is wrong."""
+    """A GenerateRequest, or InvalidRequestError for what the client can see is wrong.
+
+    Besides the ``SamplingParams`` fields, ``sampling`` may hold ``add_generation_prompt``
+    and, with ``messages``, OpenAI's ``tools`` (function tools, as dicts or
+    ``ToolFunction``s), ``tool_choice`` ("none", "auto", "required" or
+    ``{"type": "function", "function": {"name": ...}}``) and ``parallel_tool_calls``.
+    """
     add_generation_prompt = bool(sampling.pop("add_generation_prompt", True))
+    tools = sampling.pop("tools", None) or []
+    tool_choice = sampling.pop("tool_choice", None)
+    parallel_tool_calls = bool(sampling.pop("parallel_tool_calls", True))
     try:
         params = SamplingParams.from_dict(sampling)
-    except (ValueError, TypeError) as e:
-        raise InvalidRequestError(str(e), "invalid_request", request_id) from None
-    req = GenerateRequest(request_id, params, stream=stream,
-                          add_generation_prompt=add_generation_prompt)
+        req = GenerateRequest(request_id, params, stream=stream,
+                              add_generation_prompt=add_generation_prompt,
+                              tools=[_tool(t) for t in tools],
+                              parallel_tool_calls=parallel_tool_calls)
+        if isinstance(tool_choice, Mapping):
+            req.tool_choice, req.tool_function = "function", tool_choice["function"]["name"]
+        else:
+            req.tool_choice = tool_choice
+    except (ValueError, TypeError, KeyError) as e:
+        raise InvalidRequestError(f"{type(e).__name__}: {e}" if isinstance(e, KeyError) else str(e),
+                                  "invalid_request", request_id) from None
     if isinstance(prompt, str):
         req.prompt = prompt
     elif prompt is not None:
@@ -185,19 +216,34 @@ def _build_request(
         req.prompt_token_ids = list(prompt)
     if messages is not None:
         try:
-            req.messages = [m if isinstance(m, ChatMessage) else ChatMessage(m["role"], m["content"])
-                            for m in messages]
+            req.messages = [m if isinstance(m, ChatMessage) else _message(m) for m in messages]
         except (KeyError, TypeError):
-            raise InvalidRequestError("messages must be {'role': str, 'content': str} items",
-                                      "invalid_request", request_id) from None
+            raise InvalidRequestError(
+                "messages must be {'role': str, 'content': str | None, 'tool_calls': [...], "
+                "'tool_call_id': str} items", "invalid_request", request_id) from None
     if (prompt is None) == (messages is None):
         raise InvalidRequestError("give exactly one of prompt and messages", "invalid_request",
                                   request_id)
     try:
-        encode(req, validate=True)  # a negative or huge token id, a non-str content: refused
+        # a negative or huge token id, a non-str content, an unknown tool_choice: refused
+        encode(req, validate=True)
     except EncodeError as e:
         raise InvalidRequestError(str(e), "invalid_request", request_id) from None
     return req
+
+
+def _tool(tool: Tool) -> ToolFunction:
+    if isinstance(tool, ToolFunction):
+        return tool
+    fn = tool["function"]
+    return ToolFunction(fn["name"], fn.get("description"), fn.get("parameters"))
+
+
+def _message(m: Mapping[str, Any]) -> ChatMessage:
+    """An OpenAI-shaped chat message (assistant ``tool_calls``, tool ``tool_call_id``)."""
+    calls = [ToolCall(i, c.get("id"), c["function"]["name"], c["function"]["arguments"])
+             for i, c in enumerate(m.get("tool_calls") or ())]
+    return ChatMessage(m["role"], m["content"], calls, m.get("tool_call_id"), m.get("name"))
 
 
 class _Base:
@@ -228,7 +274,7 @@ class Client(_Base):
         self._buffers: dict[str, deque[GenerateOutput | RequestError]] = {}
 
     def generate(self, prompt: str | Sequence[int] | None = None, *,
-                 messages: Sequence[Mapping[str, str] | ChatMessage] | None = None,
+                 messages: Sequence[Message] | None = None,
                  timeout: float | None = _DEFAULT, request_id: str | None = None,
                  **sampling: Any) -> GenerateResult:
         req = _build_request(self._new_id(request_id), prompt, messages, False, sampling)
@@ -238,7 +284,7 @@ class Client(_Base):
         return collector.result()
 
     def stream(self, prompt: str | Sequence[int] | None = None, *,
-               messages: Sequence[Mapping[str, str] | ChatMessage] | None = None,
+               messages: Sequence[Message] | None = None,
                timeout: float | None = _DEFAULT, request_id: str | None = None,
                **sampling: Any) -> Iterator[GenerateOutput]:
         """Deltas as they come; validated now, sent at the first ``next()``."""
@@ -312,7 +358,7 @@ class AsyncClient(_Base):
         self._recv_task: asyncio.Task[None] | None = None
 
     async def generate(self, prompt: str | Sequence[int] | None = None, *,
-                       messages: Sequence[Mapping[str, str] | ChatMessage] | None = None,
+                       messages: Sequence[Message] | None = None,
                        timeout: float | None = _DEFAULT, request_id: str | None = None,
                        **sampling: Any) -> GenerateResult:
         req = _build_request(self._new_id(request_id), prompt, messages, False, sampling)
@@ -322,7 +368,7 @@ class AsyncClient(_Base):
         return collector.result()
 
     def stream(self, prompt: str | Sequence[int] | None = None, *,
-               messages: Sequence[Mapping[str, str] | ChatMessage] | None = None,
+               messages: Sequence[Message] | None = None,
                timeout: float | None = _DEFAULT, request_id: str | None = None,
                **sampling: Any) -> AsyncStream:
         """``async for delta in client.stream(...)``; ``async with`` closes it early safely."""

@@ -284,9 +284,31 @@ class RequestError(_Wire, tag=4):
 # connection. The frontend tokenizes, applies the chat template and detokenizes.
 
 
+class ToolCall(_Wire):
+    """A call the model made: whole, or streamed as pieces (the first piece of a call has
+    its id and name, the rest add to its ``arguments``); ``index`` is the call's place
+    among the sample's calls. In a ``ChatMessage``, a call an assistant made earlier."""
+
+    index: Count
+    id: Text | None = None
+    name: Text | None = None
+    arguments: Text = ""  # JSON text of the call's arguments (whole or a piece)
+
+
+class ToolFunction(_Wire):
+    """A function tool the model may call (OpenAI's ``tools[].function``)."""
+
+    name: Text
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+
+
 class ChatMessage(_Wire):
     role: Text
-    content: Text
+    content: Text | None  # None: an assistant turn that only called tools
+    tool_calls: list[ToolCall] = []  # role "assistant"
+    tool_call_id: Text | None = None  # role "tool": the call it answers
+    name: Text | None = None
 
 
 class GenerateRequest(_Wire, tag=8):
@@ -299,6 +321,18 @@ class GenerateRequest(_Wire, tag=8):
     messages: list[ChatMessage] | None = None  # rendered through the model's chat template
     stream: bool = True  # deltas as they come; else one GenerateOutput per sample at the end
     add_generation_prompt: bool = True
+    # tool calling (with messages): the tools the chat template renders; tool_choice
+    # "none", "auto" (the default with tools), "required", or "function" (tool_function
+    # names it); the frontend parses calls into GenerateOutput.tool_calls
+    tools: list[ToolFunction] = []
+    tool_choice: Literal["none", "auto", "required", "function"] | None = None
+    tool_function: Text | None = None
+    parallel_tool_calls: bool = True
+
+    def __post_init__(self) -> None:
+        if (self.tool_choice == "function") != (self.tool_function is not None):
+            raise ValueError('GenerateRequest: tool_function is set exactly when tool_choice '
+                             'is "function"')
 
     def __repr__(self) -> str:
         return f"GenerateRequest(id={self.request_id!r}, stream={self.stream})"
@@ -321,6 +355,9 @@ class GenerateOutput(_Wire, tag=9):
     # their logprobs (the first None) (appended for issue 16)
     prompt_token_ids: list[TokenId] = []
     prompt_logprobs: list[TokenLogprobs | None] = []
+    # with tools: the calls parsed from the sample's text (``text`` is then the rest);
+    # streamed as pieces, see ToolCall
+    tool_calls: list[ToolCall] = []
 
     def __post_init__(self) -> None:
         if self.prompt_logprobs:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from services.tokenizer.engine_client import EngineClient
@@ -27,6 +27,7 @@ from services.tokenizer.output_processor import (
     RequestState,
     SampleOutput,
 )
+from services.tokenizer.tool_calls import ToolCalling
 from shared.codec import MalformedFrameCounter
 
 
@@ -92,6 +93,8 @@ class FrontendCore:
     counter: MalformedFrameCounter
     stats: EngineStatsView  # engine liveness (/health) and figures (/metrics)
     served_model_names: tuple[str, ...]  # what requests may name as their model
+    # the tool call format (--tool-call-parser) both APIs parse calls with
+    tool_calling: ToolCalling = field(default_factory=lambda: ToolCalling(None))
 
     @property
     def tokenizer(self) -> Any | None:

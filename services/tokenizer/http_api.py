@@ -54,7 +54,7 @@ class HttpApi:
                 f"refusing to serve HTTP on {proc.http_host}: every interface; use 127.0.0.1 or "
                 "allow it explicitly (PAGODA_ALLOW_WILDCARD_BIND=1) behind a firewall or proxy")
         self._sock = bind_reuseport(proc.http_host, proc.http_port)
-        app = build_app(self.requests, proc.http_max_body_bytes, proc.tool_call_parser)
+        app = build_app(self.requests, proc.http_max_body_bytes)
         self._server = uvicorn.Server(uvicorn.Config(
             app, lifespan="off", log_config=None, access_log=False, ws="none",
             timeout_graceful_shutdown=GRACEFUL_CLOSE_S, server_header=False))

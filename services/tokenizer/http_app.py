@@ -9,7 +9,7 @@
 Request bodies are ``http_protocol``'s models (they become ``PromptInput``s); responses
 are shaped by ``http_responses``; running requests is ``HttpRequests``'s job
 (``http_requests.py``); errors are ``http_errors``'s. The server around the app is
-``http_api.py``. Chat requests with ``tools`` go through ``tool_calls.ToolCalling``
+``http_api.py``. Chat requests with ``tools`` go through the core's ``ToolCalling``
 (``--tool-call-parser``), which may constrain them and shapes their tool calls.
 """
 
@@ -39,18 +39,17 @@ from services.tokenizer.http_protocol import (
 from services.tokenizer.http_requests import HttpRequests
 from services.tokenizer.http_responses import ResponseBuilder
 from services.tokenizer.input_processor import InputProcessor, InvalidRequest, PromptInput
-from services.tokenizer.tool_calls import ToolCalling
 from shared.sampling_params import SamplingParams
 
 
-def build_app(api: HttpRequests, max_body_bytes: int, tool_call_parser: str = "auto") -> FastAPI:
+def build_app(api: HttpRequests, max_body_bytes: int) -> FastAPI:
     app = FastAPI(title="pagoda", summary="OpenAI-compatible API of a pagoda frontend")
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     created = int(time.time())
     core = api.core
     processor, tokenizer, model_names = core.processor, core.tokenizer, list(core.served_model_names)
-    tool_calling = ToolCalling.from_setting(tool_call_parser, tokenizer)
+    tool_calling = core.tool_calling
 
     def model_of(requested: str | None) -> str:
         check_model(requested, model_names)
@@ -66,7 +65,8 @@ def build_app(api: HttpRequests, max_body_bytes: int, tool_call_parser: str = "a
                                   logprobs=body.logprobs is not None,
                                   include_usage=body.include_usage,
                                   best_of=prompts[0].sampling_params.n,
-                                  tokens_as_ids=bool(body.return_tokens_as_token_ids))
+                                  tokens_as_ids=bool(body.return_tokens_as_token_ids),
+                                  generates=body.generates)
         return await api.generate(request, prompts, builder, bool(body.stream))
 
     @app.post("/v1/chat/completions")

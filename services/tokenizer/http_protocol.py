@@ -16,7 +16,7 @@ import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.tokenizer.http_errors import ApiError, bad_request
-from services.tokenizer.input_processor import ChatTurn, PromptInput
+from services.tokenizer.input_processor import ChatTurn, InvalidRequest, PromptInput, chat_turn
 from services.tokenizer.tool_calls import (
     ToolCalling,
     ToolCallOutput,
@@ -171,6 +171,11 @@ class CompletionRequest(_Sampling):
         """What the engine runs: with ``best_of`` > n, ``best_of`` samples (with their
         logprobs, to rank them); with ``echo`` and ``logprobs``, prompt logprobs too."""
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens
+        if max_tokens == 0:
+            if not self.echo:
+                raise bad_request("max_tokens 0 needs echo: true (scoring the prompt)",
+                                  "max_tokens")
+            max_tokens = 1  # the engine samples one token, which the response leaves out
         prompt_logprobs = self.logprobs if self.echo else None
         params = self._params(max_tokens, self.logprobs, prompt_logprobs=prompt_logprobs)
         if self.best_of is None or self.best_of == params.n:
@@ -187,6 +192,11 @@ class CompletionRequest(_Sampling):
             return msgspec.structs.replace(params, n=self.best_of, logprobs=params.logprobs or 0)
         except SamplingParamsError as e:
             raise bad_request(str(e).replace("n:", "best_of:", 1), "best_of") from None
+
+    @property
+    def generates(self) -> bool:
+        """False for ``echo`` with ``max_tokens: 0``: the answer is the prompt alone."""
+        return self.max_tokens != 0
 
     @property
     def num_choices(self) -> int:
@@ -254,16 +264,6 @@ class ToolCallBody(_Body):
     type: Literal["function"] = "function"
     function: ToolCallFunction
 
-    def for_template(self, where: str) -> dict[str, Any]:
-        """The call as chat templates expect it: ``arguments`` parsed (vLLM does so too)."""
-        text = self.function.arguments
-        try:
-            arguments = json.loads(text) if text.strip() else {}
-        except ValueError:
-            raise bad_request(f"{where}.function.arguments is not valid JSON", "messages") from None
-        return {"id": self.id, "type": "function",
-                "function": {"name": self.function.name, "arguments": arguments}}
-
 
 class ChatMessageBody(_Body):
     role: str
@@ -278,18 +278,12 @@ class ChatMessageBody(_Body):
         return "\n".join(part.text for part in self.content)
 
     def turn(self, i: int) -> ChatTurn:
-        where = f"messages[{i}]"
-        if self.tool_calls and self.role != "assistant":
-            raise bad_request(f"{where}: only assistant messages have tool_calls", "messages")
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise bad_request(f"{where}: content may be null only in an assistant message "
-                              "with tool_calls", "messages")
-        if self.role == "tool" and not self.tool_call_id:
-            raise bad_request(f"{where}: a tool message needs the tool_call_id it answers",
-                              "messages")
-        calls = tuple(c.for_template(f"{where}.tool_calls[{j}]")
-                      for j, c in enumerate(self.tool_calls or ()))
-        return ChatTurn(self.role, self.text(), calls, self.tool_call_id, self.name)
+        calls = [(c.id, c.function.name, c.function.arguments) for c in self.tool_calls or ()]
+        try:
+            return chat_turn(f"messages[{i}]", self.role, self.text(), calls, self.tool_call_id,
+                             self.name)
+        except InvalidRequest as e:
+            raise bad_request(str(e), "messages") from None
 
 
 class ChatCompletionRequest(_Sampling):

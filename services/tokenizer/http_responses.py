@@ -9,7 +9,9 @@ completions' ``tokens`` / ``token_logprobs`` / ``top_logprobs`` / ``text_offset`
 chat's ``content`` list; a token's text is its decoded string (``token_id:<id>`` with
 vLLM's ``return_tokens_as_token_ids``). With ``echo`` and ``logprobs`` a completion's
 logprobs cover the prompt tokens first (the first one ``null``), then the output.
-``best_of`` (completions, not streamed): of the ``best_of`` samples of each prompt, the
+With ``echo`` and ``max_tokens: 0`` (``generates`` false) the one token the engine
+sampled is left out: the choice is the prompt, ``finish_reason: "length"``, no completion
+tokens in the usage (vLLM does the same). ``best_of`` (completions, not streamed): of the ``best_of`` samples of each prompt, the
 ``n`` with the highest cumulative logprob become its choices, most likely first, as
 vLLM 0.x did; usage counts every generated token, as OpenAI bills them. A chat request
 with tools gets its text through ``tool_calls.ToolCallOutput``: ``message.tool_calls``,
@@ -37,7 +39,8 @@ class ResponseBuilder:
     def __init__(self, kind: Kind, response_id: str, model: str, tokenizer: Any | None,
                  n: int, *, echo: Sequence[str] | None = None, logprobs: bool = False,
                  include_usage: bool = False, best_of: int | None = None,
-                 tokens_as_ids: bool = False, tool_calls: ToolCallOutput | None = None) -> None:
+                 tokens_as_ids: bool = False, tool_calls: ToolCallOutput | None = None,
+                 generates: bool = True) -> None:
         self.kind, self.response_id, self.model = kind, response_id, model
         self.created = int(time.time())
         self.include_usage = include_usage
@@ -48,10 +51,19 @@ class ResponseBuilder:
         self._best_of = best_of if best_of is not None and best_of > n else None
         self._tokens_as_ids = tokens_as_ids
         self._tool_calls = tool_calls  # chat with tools: the text parsed into tool calls
+        self._generates = generates
         self._prompt_tokens: dict[int, int] = {}  # prompt index -> tokens
         self._output_tokens: dict[tuple[int, int], int] = {}  # (prompt, sample) -> tokens
         self._text_offset: dict[int, int] = {}  # choice index -> chars sent (completions)
         self._started: set[int] = set()  # choices whose first chunk went out
+
+    def _visible(self, out: SampleOutput) -> SampleOutput:
+        """What the client sees of an output (nothing generated, unless it generates)."""
+        if self._generates:
+            return out
+        return dataclasses.replace(
+            out, text="", token_ids=[], logprobs=[], num_output_tokens=0, stop_reason=None,
+            finish_reason=None if out.finish_reason is None else "length")
 
     # -- usage ------------------------------------------------------------------------------
     def _note(self, out: SampleOutput) -> int:
@@ -69,6 +81,7 @@ class ResponseBuilder:
     def whole(self, outputs: Sequence[SampleOutput]) -> dict[str, Any]:
         """The non-streaming body, from each sample's single (final) output."""
         choices = []
+        outputs = [self._visible(out) for out in outputs]
         for out in outputs:
             self._note(out)  # usage: every sample generated, best_of's dropped ones too
         if self._best_of is not None:
@@ -113,6 +126,7 @@ class ResponseBuilder:
     # -- stream chunks ------------------------------------------------------------------------
     def chunks(self, out: SampleOutput) -> list[dict[str, Any]]:
         """The SSE chunks for one streamed output (none for an empty delta)."""
+        out = self._visible(out)
         prompt_index = out.prompt_index
         choice = self._note(out)
         first = choice not in self._started

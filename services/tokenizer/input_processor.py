@@ -69,6 +69,30 @@ class ChatTurn:
         return message
 
 
+def chat_turn(where: str, role: str, content: str | None,
+              calls: list[tuple[str, str, str]] | None = None,
+              tool_call_id: str | None = None, name: str | None = None) -> ChatTurn:
+    """A checked chat message (``calls``: an assistant's (id, name, arguments JSON));
+    the rules both APIs share."""
+    if calls and role != "assistant":
+        raise InvalidRequest(f"{where}: only assistant messages have tool_calls")
+    if content is None and not (role == "assistant" and calls):
+        raise InvalidRequest(f"{where}: content may be null only in an assistant message "
+                             "with tool_calls")
+    if role == "tool" and not tool_call_id:
+        raise InvalidRequest(f"{where}: a tool message needs the tool_call_id it answers")
+    parsed = []
+    for j, (call_id, function, text) in enumerate(calls or ()):
+        try:
+            arguments = json.loads(text) if text.strip() else {}
+        except ValueError:
+            raise InvalidRequest(f"{where}.tool_calls[{j}].function.arguments is not valid "
+                                 "JSON") from None
+        parsed.append({"id": call_id, "type": "function",
+                       "function": {"name": function, "arguments": arguments}})
+    return ChatTurn(role, content, tuple(parsed), tool_call_id, name)
+
+
 @dataclass(frozen=True)
 class PromptInput:
     """One prompt of a client request; exactly one of prompt, prompt_token_ids, messages."""

@@ -41,6 +41,7 @@ from services.tokenizer.frontend_core import FrontendCore
 from services.tokenizer.http_api import HttpApi
 from services.tokenizer.input_processor import InputProcessor, load_limits, load_tokenizer
 from services.tokenizer.native_api import NativeApi
+from services.tokenizer.tool_calls import ToolCalling
 from shared.codec import MalformedFrameCounter
 from shared.config import ConfigError, PagodaConfig, add_arguments, load_config
 from shared.ipc import report_ready
@@ -137,7 +138,8 @@ async def _run(config: PagodaConfig, ready_fd: int | None, signals: _Signals) ->
     engine = EngineClient(ctx, config.endpoints.scheduler_frontend, frontend_id, counter,
                           hwm=proc.socket_hwm, stats=stats)
     core = FrontendCore(frontend_id, processor, engine, counter, stats,
-                        served_model_names(config.engine.model, proc.served_model_name))
+                        served_model_names(config.engine.model, proc.served_model_name),
+                        ToolCalling.from_setting(proc.tool_call_parser, processor.tokenizer))
     apis: list[FrontendApi] = []
     try:
         apis = build_apis(core, ctx, config)

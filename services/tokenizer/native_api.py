@@ -26,8 +26,14 @@ import zmq
 import zmq.asyncio
 
 from services.tokenizer.frontend_core import ClientRequest, FrontendCore
-from services.tokenizer.input_processor import ChatTurn, InvalidRequest, PromptInput
+from services.tokenizer.input_processor import InvalidRequest, PromptInput, chat_turn
 from services.tokenizer.output_processor import OutputItem, RequestFailed, SampleOutput
+from services.tokenizer.tool_calls import (
+    ToolCallOutput,
+    ToolRequest,
+    ToolRequestError,
+    tool_request,
+)
 from shared.codec import encode, safe_decode
 from shared.ipc import make_socket
 from shared.protocol import (
@@ -36,34 +42,71 @@ from shared.protocol import (
     GenerateOutput,
     GenerateRequest,
     RequestError,
+    ToolCall,
+    ToolFunction,
 )
 
 log = logging.getLogger("pagoda.frontend.native")
 
 MAX_REQUEST_ID_CHARS = 256
 ClientKey = tuple[bytes, str]  # (client identity, client request id)
-# (who, what, whether it is the request's last output)
-_Outgoing = tuple[ClientKey, OutputItem, bool]
+_Outgoing = tuple[bytes, GenerateOutput | RequestError]  # (client identity, message)
 
 
 def prompt_input(req: GenerateRequest) -> PromptInput:
     """The frontend's view of a native request (the wire type stays on this link)."""
     if not req.request_id or len(req.request_id) > MAX_REQUEST_ID_CHARS:
         raise InvalidRequest(f"request_id must be 1..{MAX_REQUEST_ID_CHARS} characters")
-    messages = None if req.messages is None else [ChatTurn(m.role, m.content) for m in req.messages]
+    if (req.tools or req.tool_choice is not None) and req.messages is None:
+        raise InvalidRequest("tools and tool_choice need messages (a chat request)")
+    messages = None
+    if req.messages is not None:
+        messages = [chat_turn(f"messages[{i}]", m.role, m.content,
+                              [(c.id or "", c.name or "", c.arguments) for c in m.tool_calls],
+                              m.tool_call_id, m.name)
+                    for i, m in enumerate(req.messages)]
     return PromptInput(req.sampling_params, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-                       messages=messages, add_generation_prompt=req.add_generation_prompt)
+                       messages=messages, add_generation_prompt=req.add_generation_prompt,
+                       tools=template_tools(req.tools))
 
 
-def generate_output(client_request_id: str, out: SampleOutput) -> GenerateOutput:
+def template_tools(tools: list[ToolFunction]) -> list[dict[str, Any]] | None:
+    """The tools in OpenAI's shape, as chat templates and ``tool_request`` take them."""
+    if not tools:
+        return None
+    return [{"type": "function", "function": {k: v for k, v in (
+        ("name", t.name), ("description", t.description), ("parameters", t.parameters))
+        if v is not None}} for t in tools]
+
+
+def tool_request_of(req: GenerateRequest, prompt: PromptInput) -> ToolRequest | None:
+    named = req.tool_choice
+    if named == "function":
+        named = {"type": "function", "function": {"name": req.tool_function}}
+    return tool_request(prompt.tools, named, req.parallel_tool_calls)
+
+
+def generate_output(client_request_id: str, out: SampleOutput, stream: bool,
+                    tools: ToolCallOutput | None) -> GenerateOutput:
     stop = out.stop_reason
+    text, finish_reason, calls = out.text, out.finish_reason, []
+    if tools is not None:
+        if stream:
+            shaped, finish_reason = tools.delta(out.index, out.text, finish_reason)
+        else:
+            shaped, finish_reason = tools.message(out.text, finish_reason)
+        text = shaped.get("content") or ""
+        calls = [ToolCall(entry.get("index", i), entry.get("id"), entry["function"].get("name"),
+                          entry["function"].get("arguments", ""))
+                 for i, entry in enumerate(shaped.get("tool_calls", ()))]
     return GenerateOutput(
-        request_id=client_request_id, index=out.index, text=out.text, token_ids=out.token_ids,
-        logprobs=out.logprobs, finish_reason=out.finish_reason,
+        request_id=client_request_id, index=out.index, text=text, token_ids=out.token_ids,
+        logprobs=out.logprobs, finish_reason=finish_reason,
         stop_reason=None if stop is None else str(stop),
         num_prompt_tokens=out.num_prompt_tokens, num_output_tokens=out.num_output_tokens,
         num_cached_tokens=out.num_cached_tokens,
         prompt_token_ids=out.prompt_token_ids or [], prompt_logprobs=out.prompt_logprobs or [],
+        tool_calls=calls,
     )
 
 
@@ -152,23 +195,33 @@ class NativeApi:
             self._reply_error(key, "invalid_request", f"request_id {req.request_id!r} is already in flight")
             return
         try:
-            prompts = self._core.validate([prompt_input(req)])
+            prompt = prompt_input(req)
+            prompt, tools = self._core.tool_calling.prepare(prompt, tool_request_of(req, prompt))
+            prompts = self._core.validate([prompt])
         except InvalidRequest as e:
             self._reply_error(key, e.code, str(e))
             return
-        request = ClientRequest(req.sampling_params.n, lambda item: self._enqueue(key, request, item))
+        except ToolRequestError as e:
+            self._reply_error(key, "invalid_request", f"{e.param}: {e}")
+            return
+        stream = req.stream
+
+        def deliver(item: OutputItem) -> None:  # called by ClientRequest.put after it counted
+            if request.finished:
+                self._inflight.pop(key, None)
+            if isinstance(item, RequestFailed):
+                self._reply_error(key, item.code, item.message)
+            else:
+                self._outbox.put_nowait(
+                    (identity, generate_output(req.request_id, item, stream, tools)))
+
+        request = ClientRequest(req.sampling_params.n, deliver)
         self._inflight[key] = request
         try:
-            await self._core.submit(prompts, req.stream, request)
+            await self._core.submit(prompts, stream, request)
         except BaseException:
             self._inflight.pop(key, None)
             raise
-
-    def _enqueue(self, key: ClientKey, request: ClientRequest, item: OutputItem) -> None:
-        # called by ClientRequest.put after it counted the item
-        if request.finished:
-            self._inflight.pop(key, None)
-        self._outbox.put_nowait((key, item, request.finished))
 
     async def _on_abort(self, identity: bytes, msg: AbortRequest) -> None:
         for client_id in msg.request_ids:
@@ -179,24 +232,18 @@ class NativeApi:
 
     # -- sending ------------------------------------------------------------------------
     def _reply_error(self, key: ClientKey, code: str, message: str) -> None:
-        self._outbox.put_nowait((key, RequestFailed(code, message), True))
+        self._outbox.put_nowait((key[0], RequestError(key[1], code, message)))
 
     async def _send_loop(self) -> None:
         while True:
-            item = await self._outbox.get()
-            await self._send_one(*item)
+            await self._send_one(*await self._outbox.get())
 
     async def _flush(self) -> None:
         """Send what is queued now (shutdown, before the loop is cancelled)."""
         while not self._outbox.empty():
             await self._send_one(*self._outbox.get_nowait())
 
-    async def _send_one(self, key: ClientKey, item: OutputItem, last: bool) -> None:
-        identity, client_id = key
-        if isinstance(item, RequestFailed):
-            msg: GenerateOutput | RequestError = RequestError(client_id, item.code, item.message)
-        else:
-            msg = generate_output(client_id, item)
+    async def _send_one(self, identity: bytes, msg: GenerateOutput | RequestError) -> None:
         try:
             await self._sock.send_multipart([identity, encode(msg)], flags=zmq.NOBLOCK)
             return

@@ -211,3 +211,47 @@ class CallScan:
 
     def _fail(self, i: int) -> None:
         self.state, self.failed_at = _FAILED, i
+
+
+_NAME_CHARS = re.compile(r"[A-Za-z0-9_.-]*")
+MAX_NAME_CHARS = 64  # OpenAI's limit on function names
+
+
+class ArgsCallScan(CallScan):
+    """Mistral's newer calls (tokenizers v11 and later): ``name[ARGS]{...}``, from the
+    name's first char at ``start``; the name ends at ``marker``, the arguments are the
+    JSON value after it, and the call ends with that value."""
+
+    def __init__(self, start: int, names: Collection[str] | None, marker: str) -> None:
+        super().__init__(start, names)
+        self.pos = start
+        self._marker = marker
+        self._naming = True
+
+    def feed(self, buf: str) -> None:
+        if self._naming and not self._feed_name(buf):
+            return
+        super().feed(buf)
+
+    def _feed_name(self, buf: str) -> bool:
+        """True once the name and its marker are complete (or failed)."""
+        m = _NAME_CHARS.match(buf, self.start)
+        end, marker = m.end(), self._marker
+        if end - self.start > MAX_NAME_CHARS:
+            self._fail(self.start)
+            return False
+        if end == len(buf) or (marker.startswith(buf[end:]) and not buf.startswith(marker, end)):
+            return False  # the name or the marker goes on
+        name = buf[self.start:end]
+        if not buf.startswith(marker, end) or not name or (
+                self._names is not None and name not in self._names):
+            self._fail(self.start if buf.startswith(marker, end) else end)
+            return False
+        self.name, self._naming = name, False
+        self._key, self.state, self.pos = ARGUMENT_KEYS[0], _VALUE, end + len(marker)
+        return True
+
+    def _value_done(self, buf: str, end: int) -> None:
+        super()._value_done(buf, end)
+        if self.state == _AFTER:  # the arguments were the call's one value
+            self.end, self.state = end, _CLOSED

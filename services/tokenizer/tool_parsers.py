@@ -15,7 +15,8 @@ Formats (``--tool-call-parser``; ``CallFormat`` fields in brackets):
 - ``llama3_json`` (Llama 3.x): the output starts with ``{"name": ..., "parameters":
   {...}}``, optionally after ``<|python_tag|>``; several joined by ``;`` [lead_tag, bare];
 - ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` after optional
-  text [marker, array];
+  text [marker, array]; or, from Mistral's v11 tokenizers on (Mistral Small 3.1,
+  Devstral, Magistral), ``[TOOL_CALLS]name[ARGS]{...}`` once per call [args_marker];
 - ``json_array`` (not a flag value): ``[{"name": ..., "parameters": {...}}, ...]``, what
   ``tool_choice: "required"`` constrains the output to (``tool_calls.py``).
 
@@ -37,7 +38,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.tokenizer.tool_call_scan import CallScan, skip_ws
+from services.tokenizer.tool_call_scan import ArgsCallScan, CallScan, skip_ws
 
 
 @dataclass(frozen=True)
@@ -52,10 +53,12 @@ class CallFormat:
     separator: str | None = None  # between the calls of a block that is not an array
     end: str | None = None  # closes a block (optional in the text)
     id_chars: int = 0  # ids of exactly this many alphanumerics (Mistral's); 0: call_<24>
+    # a block may instead be one call, ``name<args_marker><arguments JSON>``
+    args_marker: str | None = None
 
     @property
     def markers(self) -> tuple[str, ...]:
-        return tuple(m for m in (self.marker, self.lead_tag, self.end) if m)
+        return tuple(m for m in (self.marker, self.lead_tag, self.end, self.args_marker) if m)
 
     def new_call_id(self) -> str:
         alphabet = string.ascii_letters + string.digits
@@ -67,7 +70,8 @@ class CallFormat:
 HERMES = CallFormat("hermes", marker="<tool_call>", end="</tool_call>")
 LLAMA3_JSON = CallFormat("llama3_json", lead_tag="<|python_tag|>", bare=True, separator=";")
 # Mistral's chat templates refuse tool call ids that are not 9 alphanumerics
-MISTRAL = CallFormat("mistral", marker="[TOOL_CALLS]", array=True, id_chars=9)
+MISTRAL = CallFormat("mistral", marker="[TOOL_CALLS]", array=True, id_chars=9,
+                     args_marker="[ARGS]")
 JSON_ARRAY = CallFormat("json_array", bare=True, array=True)
 FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL)}
 
@@ -224,6 +228,9 @@ class ToolCallStream:
             c, st = buf[j], self._bstate
             if st == _B_ARRAY and c == "[":
                 self._bpos, self._bstate = j + 1, _B_CALL
+            elif st == _B_ARRAY and fmt.args_marker and (c.isalnum() or c in "_-."):
+                self._scan = ArgsCallScan(j, self._names, fmt.args_marker)
+                self._named, self._bstate = False, _B_IN_CALL
             elif st == _B_CALL and c == "{":
                 self._scan, self._named = CallScan(j, self._names), False
                 self._bstate = _B_IN_CALL
@@ -265,7 +272,8 @@ class ToolCallStream:
         if scan.closed and self._named:
             self._end_call()
             self._bpos = self._last_end = scan.end
-            self._bstate = _B_AFTER
+            # a name[ARGS] call is its block's one call (the next has its own marker)
+            self._bstate = _B_END if isinstance(scan, ArgsCallScan) else _B_AFTER
             return None
         if scan.failed and self._named:
             self._end_call()

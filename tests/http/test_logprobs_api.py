@@ -116,6 +116,28 @@ def test_several_prompts_each_scored(stack: LiveStack, hf: Any, tokenizer: Any) 
         assert_prompt_logprobs(choice.logprobs.token_logprobs or [], hf_logprobs(hf, ids), ids)
 
 
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(stack: LiveStack, hf: Any,
+                                                        tokenizer: Any) -> None:
+    """vLLM's prompt-only scoring: the answer is the prompt, its logprobs, no completion."""
+    ids = tokenizer(TEXT)["input_ids"]
+    api = client(stack)
+    for stream in (False, True):
+        got = api.completions.create(model="smollm2", prompt=TEXT, echo=True, logprobs=1,
+                                     max_tokens=0, stream=stream)
+        choices = [c for chunk in got for c in chunk.choices] if stream else got.choices
+        assert "".join(c.text for c in choices) == TEXT
+        assert [c.finish_reason for c in choices][-1] == "length"
+        tokens = [t for c in choices if c.logprobs for t in c.logprobs.tokens or []]
+        values = [v for c in choices if c.logprobs for v in c.logprobs.token_logprobs or []]
+        assert len(tokens) == len(values) == len(ids)
+        assert_prompt_logprobs(values, hf_logprobs(hf, ids), ids)
+        if not stream:
+            assert got.usage is not None and got.usage.completion_tokens == 0
+            assert got.usage.prompt_tokens == len(ids)
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        api.completions.create(model="smollm2", prompt=TEXT, max_tokens=0)
+
+
 def test_native_client_prompt_logprobs(stack: LiveStack, hf: Any, tokenizer: Any) -> None:
     ids = tokenizer(TEXT)["input_ids"]
     with Client(stack.frontends[0]) as native:

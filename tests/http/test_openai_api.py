@@ -149,7 +149,8 @@ BIG = b'{"prompt": "' + b"a" * (9 * 2**20) + b'"}'
 # (name, path, body (JSON object or raw bytes), status, param, words in the message)
 BAD: list[tuple[str, str, Any, int, str | None, list[str]]] = [
     ("too long", "completions", {"prompt": [1] * 2100}, 400, None, ["2100", "2048"]),
-    ("max_tokens 0", "completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens", []),
+    ("max_tokens 0 without echo", "completions", {"prompt": "hi", "max_tokens": 0}, 400,
+     "max_tokens", []),
     ("max_tokens <0", "chat/completions", {"messages": CHAT, "max_tokens": -3}, 400,
      "max_tokens", []),
     ("temperature", "completions", {"prompt": "hi", "temperature": -1}, 400, "temperature", []),

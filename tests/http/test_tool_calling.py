@@ -8,7 +8,8 @@ request's prompt_tokens agree), a history with tool calls and tool results is ac
 and the streamed answer (content and tool call deltas, put together) equals the whole
 one; a call forced through structured output comes back parsed. The parsers' cases are
 ``tests/tokenizer/test_tool_parsers.py``'s. ``required`` and a named function are
-enforced by structured output, so they must give valid calls.
+enforced by structured output, so they must give valid calls. The native client
+(``pagoda.client``) gets the same calls as the HTTP API for the same request.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import jsonschema
 import openai
 import pytest
 
+from pagoda.client import Client, InvalidRequestError
 from support.live_stack import LiveStack, assert_idle_and_clean, openai_client, serving
 from support.tool_model import make_tool_model
 
@@ -171,3 +173,83 @@ def test_bad_tool_requests_are_400s(client: openai.OpenAI) -> None:
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(**{**base, **extra})
         assert e.value.body["param"] == param, e.value.body  # type: ignore[index]
+
+
+# -- the same through the native client (pagoda.client) ----------------------------------
+
+
+def native(stack: LiveStack) -> Client:
+    return Client(stack.frontends[0], timeout=120)
+
+
+def native_whole(result: Any) -> tuple[str, list[tuple[str, str]], str | None]:
+    sample = result.outputs[0]
+    return sample.text, [(c.name, c.arguments) for c in sample.tool_calls], sample.finish_reason
+
+
+def native_streamed(deltas: Any) -> tuple[str, list[tuple[str, str]], str | None]:
+    content, calls, finish = "", {}, None
+    for out in deltas:
+        content += out.text
+        for piece in out.tool_calls:
+            if piece.id is not None:
+                assert piece.index not in calls and piece.name
+                calls[piece.index] = [piece.name, ""]
+            calls[piece.index][1] += piece.arguments
+        finish = out.finish_reason or finish
+    return content, [tuple(calls[i]) for i in sorted(calls)], finish  # type: ignore[misc]
+
+
+def test_native_client_calls_tools_as_http_does(stack: LiveStack, client: openai.OpenAI) -> None:
+    """``required``, a named function and ``auto`` through ``pagoda.client``: the same
+    calls the HTTP API gives for the same greedy request, whole and streamed."""
+    after = len(stack.log())
+    call = {"name": "get_weather", "arguments": {"city": "Paris"}}
+    forced = f"Checking.\n<tool_call>\n{json.dumps(call)}\n</tool_call>"
+    named = {"type": "function", "function": {"name": "get_time"}}
+    cases: list[dict[str, Any]] = [
+        {"tool_choice": named}, {"tool_choice": "required", "parallel_tool_calls": False},
+        {"tool_choice": "auto", "structured_outputs": {"choice": [forced]}},
+    ]
+    with native(stack) as c:
+        for case in cases:
+            http_case = dict(case)
+            if "structured_outputs" in http_case:
+                http_case["extra_body"] = {"structured_outputs": http_case.pop("structured_outputs")}
+            expected = whole(client.chat.completions.create(
+                model=client.model, messages=ASK, tools=TOOLS, max_tokens=64,  # type: ignore[attr-defined]
+                temperature=0, **http_case))
+            assert expected[1] and expected[2] == "tool_calls", expected
+            kwargs = {"messages": ASK, "tools": TOOLS, "max_tokens": 64, "temperature": 0, **case}
+            result = c.generate(**kwargs)
+            assert native_whole(result) == expected, case
+            assert all(t.id and t.id.startswith("call_") for t in result.outputs[0].tool_calls)
+            assert native_streamed(c.stream(**kwargs)) == expected, case
+    assert_idle_and_clean(stack, after)
+
+
+def test_native_client_sends_tool_history(stack: LiveStack) -> None:
+    """Assistant tool calls and tool results in the history reach the template as the
+    HTTP API renders them (same prompt length as ``/tokenize``)."""
+    with native(stack) as c:
+        r = c.generate(messages=HISTORY, tools=TOOLS, max_tokens=1, temperature=0)
+    assert r.usage.prompt_tokens == tokenize(stack, HISTORY, TOOLS)["count"]
+
+
+def test_native_client_bad_tool_requests(stack: LiveStack) -> None:
+    bad: list[dict[str, Any]] = [
+        {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+        {"tool_choice": "required"},
+        {"tools": [WEATHER, WEATHER]},
+        {"tools": TOOLS, "tool_choice": "sometimes"},
+        {"messages": [*ASK, {"role": "tool", "content": "x"}], "tools": TOOLS},
+        {"messages": [*ASK, {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "c1", "function": {"name": "get_weather", "arguments": "{not json"}}]}]},
+    ]
+    with native(stack) as c:
+        for extra in bad:
+            with pytest.raises(InvalidRequestError):
+                c.generate(**{"messages": ASK, "max_tokens": 4, **extra})
+        with pytest.raises(InvalidRequestError, match="need messages"):
+            c.generate("hello", tools=TOOLS, max_tokens=4)
+        assert c.generate(messages=ASK, max_tokens=2).outputs[0].finish_reason == "length"

@@ -23,6 +23,8 @@ from shared.protocol import (
     StepBatch,
     StepResult,
     TokenLogprobs,
+    ToolCall,
+    ToolFunction,
     WorkerReady,
 )
 from shared.sampling_params import SamplingParams
@@ -94,7 +96,16 @@ def samples() -> list[object]:
         GenerateRequest("c-3", SamplingParams(logprobs=0), messages=[
             ChatMessage("system", ""), ChatMessage("user", "emoji 🦀 and 中文")],
             add_generation_prompt=False),
+        GenerateRequest("c-5", SamplingParams(), messages=[
+            ChatMessage("user", "weather?"),
+            ChatMessage("assistant", None, [ToolCall(0, "call_1", "get_weather", '{"city": "Pa"}')]),
+            ChatMessage("tool", "18 C", tool_call_id="call_1")],
+            tools=[ToolFunction("get_weather", "the weather", {"type": "object", "properties": {
+                "city": {"type": "string", "maxLength": 20}}}), ToolFunction("noop")],
+            tool_choice="function", tool_function="noop", parallel_tool_calls=False),
         GenerateOutput("c-1", 0, "", []),
+        GenerateOutput("c-5", 0, "ok", [5], tool_calls=[ToolCall(0, "call_2", "noop", "{"),
+                                                       ToolCall(1, arguments="}")]),
         GenerateOutput("c-4", 0, "x", [3], [], None, None, 2, 1, 0, [9, 3], [None, logprobs()]),
         GenerateOutput("c-1", 1, "👋 终", [9, INT32_MAX], [logprobs(), None], "stop", "终",
                        4, 2, 1),
