@@ -24,8 +24,8 @@ import itertools
 import json
 import logging
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, Protocol, TypeVar
 
 import anyio
 from fastapi import Request, Response
@@ -33,8 +33,7 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from services.tokenizer.frontend_core import FrontendCore, QueuedRequest
-from services.tokenizer.http_errors import bad_request, from_engine, unavailable
-from services.tokenizer.http_responses import ResponseBuilder
+from services.tokenizer.http_errors import ApiError, bad_request, from_engine, unavailable
 from services.tokenizer.input_processor import InvalidRequest, PromptInput
 from services.tokenizer.output_processor import RequestFailed, SampleOutput
 
@@ -84,8 +83,27 @@ class SseResponse(StreamingResponse):
                 await self._on_close()
 
 
-def sse(data: Any) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+class ResponseShape(Protocol):
+    """How one API shapes a generation's outputs (OpenAI's ``ResponseBuilder``, the
+    Responses and Anthropic Messages APIs): a whole body, or server-sent events."""
+
+    response_id: str
+
+    def whole(self, outputs: Sequence[SampleOutput]) -> dict[str, Any]:
+        """The non-streaming body, from each sample's single (final) output."""
+        ...
+
+    def events(self, out: SampleOutput) -> list[str]:
+        """The SSE text for one streamed output (``sse.sse(...)`` items; may be none)."""
+        ...
+
+    def closing_events(self) -> list[str]:
+        """The SSE text after the last output (OpenAI: the usage chunk, ``[DONE]``)."""
+        ...
+
+    def error_events(self, error: ApiError) -> list[str]:
+        """The SSE text that ends a stream the engine failed mid-way."""
+        ...
 
 
 class HttpRequests:
@@ -116,7 +134,10 @@ class HttpRequests:
         self._inflight.clear()
 
     async def generate(self, http_request: Request, prompts: list[PromptInput],
-                       builder: ResponseBuilder, stream: bool) -> Response:
+                       builder: ResponseShape, stream: bool,
+                       on_whole: Callable[[dict[str, Any]], None] | None = None) -> Response:
+        """Run the prompts; the answer shaped by ``builder`` (``on_whole`` sees a whole
+        body before it goes out: the Responses API stores it)."""
         if not self.accepting:
             raise unavailable("this frontend is shutting down; retry on another", "shutting_down")
         try:
@@ -132,7 +153,10 @@ class HttpRequests:
             await self.core.submit(processed, stream, request)
             if not stream:
                 outputs = await unless_disconnected(http_request, request.collect())
-                return Response(json.dumps(builder.whole(outputs), ensure_ascii=False),
+                body = builder.whole(outputs)
+                if on_whole is not None:
+                    on_whole(body)
+                return Response(json.dumps(body, ensure_ascii=False),
                                 media_type="application/json")
             first = await unless_disconnected(http_request, request.next())
             handed_over = True
@@ -160,19 +184,20 @@ class HttpRequests:
             log.warning("HTTP request %s: %s; aborted %d request(s) at the scheduler",
                         response_id, why, len(request.engine_request_ids))
 
-    async def _events(self, request: QueuedRequest, builder: ResponseBuilder,
+    async def _events(self, request: QueuedRequest, builder: ResponseShape,
                       first: SampleOutput | None) -> AsyncIterator[str]:
         item = first
         try:
             while item is not None:
-                for chunk in builder.chunks(item):
-                    yield sse(chunk)
+                for event in builder.events(item):
+                    yield event
                 item = await request.next()
-            if builder.include_usage:
-                yield sse(builder.usage_chunk())
         except RequestFailed as e:
-            yield sse(from_engine(e.code, e.message).body())
-        yield "data: [DONE]\n\n"
+            for event in builder.error_events(from_engine(e.code, e.message)):
+                yield event
+            return
+        for event in builder.closing_events():
+            yield event
 
     def health(self) -> tuple[bool, str]:
         if not self.accepting:

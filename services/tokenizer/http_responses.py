@@ -26,7 +26,9 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
+from services.tokenizer.http_errors import ApiError
 from services.tokenizer.output_processor import SampleOutput
+from services.tokenizer.sse import DONE, sse
 from services.tokenizer.tool_calls import ToolCallOutput
 from shared.protocol import TokenLogprobs
 
@@ -156,6 +158,15 @@ class ResponseBuilder:
                                        "finish_reason": finish_reason,
                                        "stop_reason": out.stop_reason}))
         return chunks
+
+    def events(self, out: SampleOutput) -> list[str]:
+        return [sse(chunk) for chunk in self.chunks(out)]
+
+    def closing_events(self) -> list[str]:
+        return [*([sse(self.usage_chunk())] if self.include_usage else []), DONE]
+
+    def error_events(self, error: ApiError) -> list[str]:
+        return [sse(error.body()), DONE]
 
     def usage_chunk(self) -> dict[str, Any]:
         """The last chunk with ``stream_options.include_usage``: no choices, the usage."""
