@@ -55,3 +55,12 @@ def check_buffers(
         tensors.append(out)
     if any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
         raise ValueError("every tensor must be a contiguous CPU tensor")
+
+
+def window_and_softcap(window: int | None, softcap: float | None) -> tuple[int, float]:
+    """The kernels' encoding of a sliding window and a soft cap (0: none), checked."""
+    if window is not None and window < 1:
+        raise ValueError(f"window must be positive, got {window}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be positive, got {softcap}")
+    return window or 0, float(softcap or 0.0)

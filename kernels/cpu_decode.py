@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu_attention_checks import check_buffers, check_heads
+from kernels.cpu_attention_checks import check_buffers, check_heads, window_and_softcap
 from kernels.cpu_extension import CSRC, SCALAR_HEADER, LazyExtension, build_extension
 
 _SOURCE, _HEADERS = CSRC / "cpu_decode.cpp", [CSRC / "cpu_decode_blocks.h", SCALAR_HEADER]
@@ -59,21 +59,26 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,  # [batch, num_heads, head_dim], query dtype
     *,
     partition_size: int | None = None,  # tokens per split-K partition; None: heuristic
+    window: int | None = None,  # sliding window: the last `window` keys only; None: all
+    softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap); None: none
 ) -> torch.Tensor:  # [batch, num_heads, head_dim], query dtype
     """Decode attention over the paged cache: fp32 or bf16 in, fp32 accumulation.
 
     Every seq_len must be at least 1 (a decode token always sees itself) and fit in its
-    block-table row; the kernel checks that and every block id it reads (ValueError).
+    block-table row; the kernel checks that and every block id it reads (ValueError;
+    with a window, only the window's blocks are read and checked).
     Query head h reads KV head h // (num_heads // num_kv_heads). Raises RuntimeError
     when the extension did not build (check ``available()`` first).
     """
     _check(query, k_cache, v_cache, block_tables, seq_lens, out)
     if partition_size is not None and partition_size < 1:
         raise ValueError(f"partition_size must be positive, got {partition_size}")
+    window_arg, softcap_arg = window_and_softcap(window, softcap)
     if not available():
         raise RuntimeError("the cpu_decode extension did not build; see the logged warning")
     if out is None:
         out = torch.empty_like(query)
     op = getattr(torch.ops, OP_NAMESPACE).decode
-    op(out, query, k_cache, v_cache, block_tables, seq_lens, float(scale), partition_size or 0)
+    op(out, query, k_cache, v_cache, block_tables, seq_lens, float(scale), partition_size or 0,
+       window_arg, softcap_arg)
     return out

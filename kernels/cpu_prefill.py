@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu_attention_checks import check_buffers, check_heads
+from kernels.cpu_attention_checks import check_buffers, check_heads, window_and_softcap
 from kernels.cpu_extension import CSRC, SCALAR_HEADER, LazyExtension, build_extension
 
 _SOURCE = CSRC / "cpu_prefill.cpp"
@@ -69,11 +69,14 @@ def paged_prefill_attention(
     block_tables: torch.Tensor,  # [batch, max_blocks_per_seq] int32/int64
     scale: float,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim], query dtype
+    *,
+    window: int | None = None,  # sliding window: keys p - window < j <= p; None: all
+    softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap); None: none
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], query dtype
     """Causal attention of each sequence's new tokens over its cached context and themselves.
 
     Query row j of sequence i sits at position ``seq_lens[i] - query_len_i + j`` and sees
-    keys 0 .. that position. fp32 or bf16 in, fp32 accumulation (bf16: the softmax
+    keys 0 .. that position (the last ``window`` of them with a window). fp32 or bf16 in, fp32 accumulation (bf16: the softmax
     numerators are rounded to bf16 for P.V, as torch's flash attention does). Query head h
     reads KV head h // (num_heads // num_kv_heads). ``query_start_loc`` must be
     non-decreasing within [0, num_tokens], each ``seq_len`` at least its query_len and
@@ -82,10 +85,12 @@ def paged_prefill_attention(
     Raises RuntimeError when the extension did not build (check ``available()`` first).
     """
     _check(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, out)
+    window_arg, softcap_arg = window_and_softcap(window, softcap)
     if not available():
         raise RuntimeError("the cpu_prefill extension did not build; see the logged warning")
     if out is None:
         out = torch.empty_like(query)
     op = getattr(torch.ops, OP_NAMESPACE).prefill
-    op(out, query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, float(scale))
+    op(out, query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, float(scale),
+       window_arg, softcap_arg)
     return out

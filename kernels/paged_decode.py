@@ -8,12 +8,15 @@ softmax sum plus its log-sum-exp, and a second kernel merges the splits. Adapted
 SGLang ``triton_ops/decode_attention.py`` (two-stage grouped decode), itself after
 lightllm; the split count heuristic is ours (``choose_num_splits``).
 
+With a sliding window (``window``), a sequence's splits cover only the key tiles from
+the one holding its first visible key; a soft cap (``softcap``) is applied per score.
+
 Reference: ``reference.paged_decode_attention``.
 """
 
 import torch
 
-from kernels.attention_tile import LOG2E, attend_tile
+from kernels.attention_tile import LOG2E, attend_tile, check_window_and_softcap
 from kernels.triton_utils import check_launchable, interpret_mode, next_pow2, tl, triton
 
 # Aim for this many programs per SM before splitting stops paying (two waves hide the
@@ -36,6 +39,8 @@ def _decode_split_kernel(
     partial_ptr,  # NUM_SPLITS > 1: [batch, num_heads, NUM_SPLITS, HEAD_DIM] fp32
     lse_ptr,  # NUM_SPLITS > 1: [batch, num_heads, NUM_SPLITS] fp32, log2 domain
     qk_scale,  # softmax scale * log2(e)
+    window,  # > 0: a decode token sees its last `window` keys only
+    softcap,  # SOFTCAP: the soft cap * log2(e)
     stride_qb, stride_qh,  # query strides (batch, head)
     stride_ob, stride_oh,  # out strides (batch, head)
     stride_bt,  # block_tables row stride
@@ -48,15 +53,18 @@ def _decode_split_kernel(
     NUM_SPLITS: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    # splits own whole tiles: [start, end) of this sequence's keys
-    num_tiles = tl.cdiv(seq_len, TILE_N)
+    first_key = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)  # the window's start
+    # splits own whole tiles: [start, end) of this sequence's keys, from first_key's tile on
+    first_tile = first_key // TILE_N
+    num_tiles = tl.cdiv(seq_len, TILE_N) - first_tile
     tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    start = split * tiles_per_split * TILE_N
+    start = (first_tile + split * tiles_per_split) * TILE_N
     end = tl.minimum(seq_len, start + tiles_per_split * TILE_N)
 
     offs_g = tl.arange(0, BLOCK_G)  # [BLOCK_G] rows: query heads of this KV head
@@ -68,6 +76,7 @@ def _decode_split_kernel(
     if UPCAST:
         q = q.to(tl.float32)
     key_limit = tl.where(g_mask, seq_len, 0)  # [BLOCK_G] a decode token sees all keys
+    key_start = tl.zeros([BLOCK_G], tl.int32) + first_key  # [BLOCK_G] ... from first_key on
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)  # [BLOCK_G]
     l_i = tl.zeros([BLOCK_G], tl.float32)  # [BLOCK_G]
@@ -77,8 +86,9 @@ def _decode_split_kernel(
     table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     for start_n in range(start, end, TILE_N):
         acc, m_i, l_i = attend_tile(
-            q, acc, m_i, l_i, k_head_ptr, v_head_ptr, table_ptr, start_n, seq_len, key_limit,
-            qk_scale, stride_block, stride_token, BLOCK_SIZE, TILE_N, HEAD_DIM, UPCAST, DOT_PREC,
+            q, acc, m_i, l_i, k_head_ptr, v_head_ptr, table_ptr, start_n, seq_len, key_start,
+            key_limit, qk_scale, softcap, stride_block, stride_token, BLOCK_SIZE, TILE_N,
+            HEAD_DIM, UPCAST, DOT_PREC, SOFTCAP,
         )
 
     # an empty split (short sequence in a long batch) has l = 0: weight 0 in the reduce
@@ -159,6 +169,8 @@ def paged_decode_attention(
     num_splits: int | None = None,  # None: choose_num_splits
     min_tokens_per_split: int = DEFAULT_MIN_TOKENS_PER_SPLIT,
     tile_n: int = 64,
+    window: int | None = None,  # sliding window: the last `window` keys only; None: all
+    softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap); None: none
 ) -> torch.Tensor:  # [batch, num_heads, head_dim]
     """Triton version of ``reference.paged_decode_attention``."""
     check_launchable(query, k_cache, v_cache, block_tables, seq_lens)
@@ -168,16 +180,20 @@ def paged_decode_attention(
     out = torch.empty_like(query) if out is None else out
     if batch == 0:
         return out
-    if num_splits is None:
+    check_window_and_softcap(window, softcap)
+    tile_n = max(16, tile_n)
+    if num_splits is None:  # a window bounds the keys a sequence reads
+        keys = max_seq_len if window is None else min(max_seq_len, window + tile_n)
         num_splits = choose_num_splits(
-            batch, num_kv_heads, max_seq_len, _num_sms(query.device), min_tokens_per_split
+            batch, num_kv_heads, keys, _num_sms(query.device), min_tokens_per_split
         )
     group = num_heads // num_kv_heads
     upcast = interpret_mode()
     common = {
         "GROUP": group, "BLOCK_G": max(16, next_pow2(group)), "BLOCK_SIZE": block_size,
-        "TILE_N": max(16, tile_n), "HEAD_DIM": head_dim, "NUM_SPLITS": num_splits,
+        "TILE_N": tile_n, "HEAD_DIM": head_dim, "NUM_SPLITS": num_splits,
         "UPCAST": upcast, "DOT_PREC": "ieee" if query.dtype == torch.float32 or upcast else "tf32",
+        "SOFTCAP": softcap is not None,
     }
     if num_splits == 1:
         partial = lse = out  # unused by the kernel when NUM_SPLITS == 1
@@ -187,6 +203,7 @@ def paged_decode_attention(
         lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=query.device)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         query, k_cache, v_cache, block_tables, seq_lens, out, partial, lse, scale * LOG2E,
+        window or 0, (softcap or 0.0) * LOG2E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), **common,
     )

@@ -13,12 +13,15 @@ Grid ``(num_seqs, cdiv(max_query_len, BLOCK_Q), num_kv_heads)``. The query tile 
 With ``query_len == 1`` it computes a decode as well; the backend uses the dedicated
 decode kernel (split-K) for those.
 
+A sliding window (``window``) starts each program's key walk at its first row's first
+visible key and masks per row; a soft cap (``softcap``) is applied per score.
+
 Reference: ``reference.paged_attention``.
 """
 
 import torch
 
-from kernels.attention_tile import LOG2E, attend_tile
+from kernels.attention_tile import LOG2E, attend_tile, check_window_and_softcap
 from kernels.triton_utils import check_launchable, interpret_mode, next_pow2, tl, triton
 
 
@@ -32,6 +35,8 @@ def _prefill_kernel(
     block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int32
     out_ptr,  # [num_tokens, num_heads, HEAD_DIM]
     qk_scale,  # softmax scale * log2(e)
+    window,  # > 0: the token at position p sees keys p - window < j <= p only
+    softcap,  # SOFTCAP: the soft cap * log2(e)
     stride_qt, stride_qh,  # query strides (token, head)
     stride_ot, stride_oh,  # out strides (token, head)
     stride_bt,  # block_tables row stride
@@ -44,6 +49,7 @@ def _prefill_kernel(
     HEAD_DIM: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     q_tile = tl.program_id(1)
@@ -68,6 +74,8 @@ def _prefill_kernel(
         q = q.to(tl.float32)
     # causal: the token at position context_len + i sees keys 0 .. context_len + i
     key_limit = tl.where(row_mask, context_len + q_idx + 1, 0)  # [BLOCK_M]
+    # sliding window: it sees keys from context_len + i - window + 1 on
+    key_start = tl.where(window > 0, tl.maximum(context_len + q_idx - window + 1, 0), 0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # [BLOCK_M]
     l_i = tl.zeros([BLOCK_M], tl.float32)  # [BLOCK_M]
@@ -77,10 +85,13 @@ def _prefill_kernel(
     table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     # keys past the last row's causal limit are invisible to the whole tile
     kv_end = tl.minimum(seq_len, context_len + (q_tile + 1) * BLOCK_Q)
-    for start_n in range(0, kv_end, TILE_N):
+    # and keys before the first row's window start are invisible to the whole tile
+    kv_start = tl.where(window > 0, tl.maximum(context_len + q_tile * BLOCK_Q - window + 1, 0), 0)
+    for start_n in range(kv_start, kv_end, TILE_N):
         acc, m_i, l_i = attend_tile(
-            q, acc, m_i, l_i, k_head_ptr, v_head_ptr, table_ptr, start_n, seq_len, key_limit,
-            qk_scale, stride_block, stride_token, BLOCK_SIZE, TILE_N, HEAD_DIM, UPCAST, DOT_PREC,
+            q, acc, m_i, l_i, k_head_ptr, v_head_ptr, table_ptr, start_n, seq_len, key_start,
+            key_limit, qk_scale, softcap, stride_block, stride_token, BLOCK_SIZE, TILE_N,
+            HEAD_DIM, UPCAST, DOT_PREC, SOFTCAP,
         )
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # idle rows have l = 0 (and are not stored)
@@ -101,6 +112,8 @@ def paged_prefill_attention(
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     block_m: int = 64,
     tile_n: int = 64,
+    window: int | None = None,  # sliding window: keys p - window < j <= p; None: all
+    softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap); None: none
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]; rows of other sequences untouched
     """Triton version of ``reference.paged_attention`` for the sequences given.
 
@@ -121,6 +134,7 @@ def paged_prefill_attention(
         raise ValueError("query, cache and block_tables must be contiguous in their last dim")
     if query_start_loc.shape[0] != num_seqs + 1 or block_tables.shape[0] < num_seqs:
         raise ValueError("query_start_loc needs num_seqs + 1 entries, block_tables num_seqs rows")
+    check_window_and_softcap(window, softcap)
     out = torch.empty_like(query) if out is None else out
     if num_seqs == 0 or max_query_len == 0:
         return out
@@ -131,10 +145,12 @@ def paged_prefill_attention(
     grid = (num_seqs, -(-max_query_len // block_q), num_kv_heads)
     _prefill_kernel[grid](
         query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, out, scale * LOG2E,
+        window or 0, (softcap or 0.0) * LOG2E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_SIZE=block_size,
         TILE_N=max(16, tile_n), HEAD_DIM=head_dim, UPCAST=upcast,
         DOT_PREC="ieee" if query.dtype == torch.float32 or upcast else "tf32",
+        SOFTCAP=softcap is not None,
     )
     return out

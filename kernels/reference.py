@@ -55,11 +55,14 @@ def gather_kv(
 
 @dataclass
 class DecodePlan:
-    """What every layer's batched decode shares within one step (built once per step)."""
+    """What every layer's batched decode shares within one step (built once per step and
+    window: the sliding layers of a model get their own plan)."""
 
-    block_index: torch.Tensor  # [batch, max_blocks] int64: physical block of each logical one
+    # [batch, max_blocks] int64: the physical blocks gathered for each row, logical block
+    # first_block[b] + j (all from block 0 without a window)
+    block_index: torch.Tensor
     # [batch, 1, 1, padded_len] additive (0 / -inf) in the query dtype, None when every
-    # sequence fills its padded length (nothing to mask)
+    # gathered position is visible (nothing to mask)
     mask: torch.Tensor | None
     padded_len: int
 
@@ -70,18 +73,55 @@ def make_decode_plan(
     max_seq_len: int,
     block_size: int,
     dtype: torch.dtype,
+    window: int | None = None,  # a decode token sees its last `window` positions only
 ) -> DecodePlan:
     max_blocks = (max_seq_len + block_size - 1) // block_size
+    if window is None:
+        first = torch.zeros_like(seq_lens, dtype=torch.int64)
+    else:  # the blocks of positions [seq_len - window, seq_len): at most this many
+        max_blocks = min(max_blocks, (window + block_size - 2) // block_size + 1)
+        first = (seq_lens.long() - window).clamp(min=0) // block_size  # [batch]
     padded_len = max_blocks * block_size
-    block_index = block_tables[:, :max_blocks].long()
+    cols = first[:, None] + torch.arange(max_blocks, device=seq_lens.device)  # [batch, max_blocks]
+    cols = cols.clamp(max=block_tables.shape[1] - 1)  # past a row's end: masked below
+    block_index = block_tables.long().gather(1, cols)
+    positions = first[:, None] * block_size + torch.arange(padded_len, device=seq_lens.device)
+    valid = positions < seq_lens[:, None]  # [batch, padded_len]
+    if window is not None:
+        valid &= positions >= seq_lens[:, None] - window
     mask = None
-    if bool((seq_lens != padded_len).any()):
-        positions = torch.arange(padded_len, device=seq_lens.device)
-        valid = positions[None, :] < seq_lens[:, None]  # [batch, padded_len]
+    if not bool(valid.all()):
         mask = torch.zeros(valid.shape, dtype=dtype, device=seq_lens.device)
         mask.masked_fill_(~valid, float("-inf"))
         mask = mask[:, None, None, :]
     return DecodePlan(block_index, mask, padded_len)
+
+
+def attend(
+    q: torch.Tensor,  # [..., heads, q_len, D]
+    k: torch.Tensor,  # [..., kv_heads, k_len, D], q's dtype
+    v: torch.Tensor,  # [..., kv_heads, k_len, D]
+    mask: torch.Tensor | None,  # bool (True: visible) or additive, broadcast to the scores
+    scale: float,
+    softcap: float | None = None,
+) -> torch.Tensor:  # [..., heads, q_len, D]
+    """SDPA, or with a soft cap the eager attention of HF's Gemma 2: scores * scale, then
+    cap * tanh(scores / cap), then the mask, softmax in fp32 (SDPA has no soft cap).
+    Query head h reads KV head h // (heads // kv_heads)."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                              enable_gqa=q.shape[-3] != k.shape[-3])
+    group = q.shape[-3] // k.shape[-3]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None and mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    elif mask is not None:
+        scores = scores + mask
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
 
 
 def paged_decode_attention(
@@ -93,20 +133,24 @@ def paged_decode_attention(
     max_seq_len: int,
     scale: float,
     plan: DecodePlan | None = None,  # the same step's plan, shared by every layer
+    window: int | None = None,  # sliding window (the plan's, when one is given)
+    softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap)
 ) -> torch.Tensor:  # [batch, num_heads, head_dim]
     """Batched decode over padded gathered K/V; no Python loop over sequences.
 
     The query heads that share a KV head are laid out as that head's query rows
     ([batch, kv_heads, group, head_dim]), so K/V are gathered once per KV head
-    and no causal mask is needed: a decode token sees its whole context. Blocks are
-    gathered with ``index_select`` on the block dimension (contiguous block copies;
-    advanced indexing over the 4-D cache is several times slower on the CPU).
+    and no causal mask is needed: a decode token sees its whole context (or, with a
+    window, the window's blocks are gathered and the positions outside it masked).
+    Blocks are gathered with ``index_select`` on the block dimension (contiguous block
+    copies; advanced indexing over the 4-D cache is several times slower on the CPU).
     """
     batch, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     if plan is None:
-        plan = make_decode_plan(block_tables, seq_lens, max_seq_len, block_size, query.dtype)
+        plan = make_decode_plan(block_tables, seq_lens, max_seq_len, block_size, query.dtype,
+                                window)
     padded_len = plan.padded_len
     rows_per_chunk = max(1, _DECODE_GATHER_ELEMS // (padded_len * num_kv_heads * head_dim))
     out = torch.empty_like(query)
@@ -119,9 +163,7 @@ def paged_decode_attention(
         v = v_cache.index_select(0, blocks).view(b, padded_len, num_kv_heads, head_dim).transpose(1, 2)
         q = query[start:end].view(b, num_kv_heads, group, head_dim)
         mask = None if plan.mask is None else plan.mask[start:end]
-        o = F.scaled_dot_product_attention(
-            q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale
-        )
+        o = attend(q, k.to(q.dtype), v.to(q.dtype), mask, scale, softcap)
         out[start:end] = o.reshape(b, num_heads, head_dim)
     return out
 
@@ -131,20 +173,28 @@ def prefill_attention(
     key: torch.Tensor,  # [seq_len, num_kv_heads, head_dim]: context then new tokens
     value: torch.Tensor,  # [seq_len, num_kv_heads, head_dim]
     scale: float,
+    window: int | None = None,  # query at position p sees keys p - window < j <= p
+    softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap)
 ) -> torch.Tensor:  # [query_len, num_heads, head_dim]
-    """Causal attention of the last query_len tokens of a sequence over all of it."""
+    """Causal attention of the last query_len tokens of a sequence over all of it.
+
+    Positions only matter relative to each other, so ``key`` may start anywhere in the
+    sequence as long as it covers every key the first query sees."""
     query_len, seq_len = query.shape[0], key.shape[0]
     context_len = seq_len - query_len
     q = query.transpose(0, 1).unsqueeze(0)  # [1, heads, query_len, D]
     k = key.to(query.dtype).transpose(0, 1).unsqueeze(0)
     v = value.to(query.dtype).transpose(0, 1).unsqueeze(0)
-    if context_len == 0:
+    if context_len == 0 and window is None and softcap is None:
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:
         # query i sits at position context_len + i and sees keys 0..context_len + i
         rows = torch.arange(query_len, device=query.device)[:, None] + context_len
-        mask = torch.arange(seq_len, device=query.device)[None, :] <= rows
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        cols = torch.arange(seq_len, device=query.device)[None, :]
+        mask = cols <= rows
+        if window is not None:
+            mask &= cols > rows - window
+        o = attend(q, k, v, mask, scale, softcap)
     return o.squeeze(0).transpose(0, 1)
 
 
@@ -156,6 +206,8 @@ def paged_attention(
     seq_lens: torch.Tensor,  # [batch] int: context + new tokens
     block_tables: torch.Tensor,  # [batch, max_blocks_per_seq] int
     scale: float,
+    window: int | None = None,  # sliding window: query at p sees keys p - window < j <= p
+    softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """The plain oracle: each sequence's K/V gathered through its block table.
 
@@ -169,5 +221,5 @@ def paged_attention(
         q = query[starts[i] : starts[i + 1]]
         k = gather_kv(k_cache, block_tables[i], seq_len)
         v = gather_kv(v_cache, block_tables[i], seq_len)
-        out[starts[i] : starts[i + 1]] = prefill_attention(q, k, v, scale)
+        out[starts[i] : starts[i + 1]] = prefill_attention(q, k, v, scale, window, softcap)
     return out

@@ -1,14 +1,15 @@
-"""How long a sequence a model directory allows, read the same way by every process.
+"""How long a sequence a model directory allows, and which layers attend through a sliding
+window, read the same way by every process.
 
 The frontend (validation), the worker (the KV pool and the model) and so the scheduler
-must agree on ``max_model_len``. It is the model's ``max_position_embeddings``, capped
-by a sliding attention window: pagoda's attention is full causal attention, which
-equals windowed attention only while a sequence fits in the window, so a longer
-sequence would be answered wrong. Until windowed attention lands in the kernels, such
-models run with ``max_model_len <= sliding_window`` (a larger configured length is
-refused, naming the field). Likewise for rope types whose frequencies HF changes with
-the sequence length (``dynamic``, ``longrope``): below the original context they are
-the initial frequencies, so sequences are kept there.
+must agree on ``max_model_len``. It is the model's ``max_position_embeddings``. A sliding
+attention window does not cap it: every attention path (``kernels/``: the torch
+reference, the C++ CPU kernels and the Triton kernels) honours a per-layer window, which
+the model reads from ``layer_windows`` here. A config that describes attention the
+kernels do not compute (a layer type other than full or sliding) is refused, naming the
+field. Rope types whose frequencies HF changes with the sequence length (``dynamic``,
+``longrope``) still cap it: below the original context they are the initial
+frequencies, so sequences are kept there.
 """
 
 from __future__ import annotations
@@ -16,35 +17,53 @@ from __future__ import annotations
 from typing import Any
 
 _WINDOW_FLAGGED = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")  # window only with use_sliding_window
+# HF applies sliding_window on every layer of these, whatever layer_types says
+_WINDOW_EVERY_LAYER = ("MistralForCausalLM", "Phi3ForCausalLM")
+SLIDING, FULL = "sliding_attention", "full_attention"
 
 
-def sliding_window(cfg: dict[str, Any]) -> int | None:
-    """The window HF's implementation applies on every layer, or None (full attention).
+def layer_windows(cfg: dict[str, Any]) -> list[int | None]:
+    """Per layer, the sliding window HF's implementation applies there (a query at
+    position p sees keys p - window < j <= p), or None for full causal attention.
 
     As transformers reads a config: ``layer_types`` (written by transformers 5) names
     each layer's kind; without it, Qwen2/Qwen3 apply ``sliding_window`` only with
-    ``use_sliding_window`` and from layer ``max_window_layers`` on, other families on
-    every layer. A window that only some layers apply raises ValueError: the model code
-    has no per-layer window yet, and attending fully there would be wrong past it.
+    ``use_sliding_window`` and from layer ``max_window_layers`` on, Gemma 2 on every
+    other layer (0, 2, ...), Gemma 3 on all but every ``sliding_window_pattern``-th,
+    other families on every layer. A layer kind other than full or sliding attention
+    raises ValueError naming it.
     """
+    layers = int(cfg.get("num_hidden_layers", 0))
     window = cfg.get("sliding_window")
     archs = cfg.get("architectures") or []
     flagged = any(a in _WINDOW_FLAGGED for a in archs)
     if window is None or (flagged and not cfg.get("use_sliding_window", False)):
-        return None
-    layers = int(cfg.get("num_hidden_layers", 0))
+        return [None] * layers
     kinds = cfg.get("layer_types")
-    if kinds is None:
-        first = int(cfg.get("max_window_layers", 0)) if flagged else 0
-        kinds = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
-    sliding = [i for i, kind in enumerate(kinds) if kind == "sliding_attention"]
-    if not sliding:
-        return None
-    if len(sliding) < len(kinds):
-        raise ValueError(
-            f"sliding_window {window} on layers {sliding} only (layer_types / "
-            "max_window_layers): a per-layer window is not supported yet")
-    return int(window)
+    if kinds is None or any(a in _WINDOW_EVERY_LAYER for a in archs):
+        kinds = [SLIDING if _slides_by_default(cfg, archs, i) else FULL for i in range(layers)]
+    unknown = sorted({str(k) for k in kinds} - {SLIDING, FULL})
+    if unknown:
+        raise ValueError(f"layer_types {unknown} not supported (only {FULL!r} and {SLIDING!r})")
+    return [int(window) if kind == SLIDING else None for kind in kinds]
+
+
+def _slides_by_default(cfg: dict[str, Any], archs: list[str], layer: int) -> bool:
+    """Whether layer ``layer`` is windowed in a config without ``layer_types``."""
+    if any(a in _WINDOW_FLAGGED for a in archs):
+        return layer >= int(cfg.get("max_window_layers", 28))  # HF's default: 28
+    if "Gemma2ForCausalLM" in archs:
+        return layer % 2 == 0
+    if "Gemma3ForCausalLM" in archs:
+        pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
+        return (layer + 1) % pattern != 0
+    return True
+
+
+def sliding_window(cfg: dict[str, Any]) -> int | None:
+    """The window of the model's windowed layers (``layer_windows``), or None when every
+    layer attends fully. Some layers may be full (Gemma, Qwen's ``max_window_layers``)."""
+    return next((w for w in layer_windows(cfg) if w is not None), None)
 
 
 def max_model_len(cfg: dict[str, Any], configured: int | None = None) -> int:
@@ -53,20 +72,16 @@ def max_model_len(cfg: dict[str, Any], configured: int | None = None) -> int:
     max_pos = cfg.get("max_position_embeddings") or text.get("max_position_embeddings")
     if not isinstance(max_pos, int):
         raise ValueError("config.json lacks max_position_embeddings")  # noqa: TRY004 -- a bad model dir
-    window = sliding_window(cfg)
-    limit = max_pos if window is None else min(max_pos, window)
+    layer_windows(cfg)  # a layer type the kernels do not compute is refused here
+    limit = max_pos
     rope_cap = _rope_length_cap(cfg)
     if rope_cap is not None and rope_cap < limit:
-        limit, window = rope_cap, None
+        limit = rope_cap
     if configured is None:
         return limit
     if configured > max_pos:
         raise ValueError(f"max_model_len {configured} exceeds the model's "
                          f"max_position_embeddings {max_pos}")
-    if configured > limit and window is not None:
-        raise ValueError(f"max_model_len {configured} exceeds the model's sliding_window "
-                         f"{window}: past the window pagoda's full attention would differ "
-                         "from the model's windowed attention")
     if configured > limit:
         raise ValueError(f"max_model_len {configured} exceeds {limit}, the rope_scaling "
                          "original_max_position_embeddings: past it HF changes the rotary "
@@ -76,8 +91,12 @@ def max_model_len(cfg: dict[str, Any], configured: int | None = None) -> int:
 
 def rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
     """The rope scaling parameters, whether written as rope_parameters (transformers 5)
-    or rope_scaling; empty for the default rope."""
+    or rope_scaling; empty for the default rope. Where transformers 5 nests them by layer
+    type (Gemma 3: ``{"full_attention": {...}, "sliding_attention": {...}}``), those of
+    the full-attention layers (the local rope of Gemma 3's sliding layers is unscaled)."""
     params = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    if isinstance(params.get(FULL), dict) or isinstance(params.get(SLIDING), dict):
+        params = params.get(FULL) or {}
     kind = params.get("rope_type", params.get("type", "default"))
     return {} if kind == "default" else {**params, "rope_type": kind}
 

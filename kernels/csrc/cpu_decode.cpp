@@ -11,6 +11,9 @@
 // in small batches are split into partitions (split-K, after flash decoding): each
 // writes its normalised output and log-sum-exp, and a second pass merges them. Items
 // are handed out through an atomic counter so ragged sequence lengths balance.
+// A sliding window (window > 0) starts a sequence's partitions at the block holding its
+// first visible key and masks the keys of that block before it; a soft cap (softcap > 0)
+// maps every score to softcap * tanh(score / softcap) before the softmax.
 // The per-block kernels are in cpu_decode_blocks.h.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -53,6 +56,13 @@ struct Scratch {
         acc(s.num_heads * s.head_dim), stats(2 * s.num_heads) {}
 };
 
+// x[i] = cap * tanh(x[i] / cap), i < n: the attention soft cap of a row of scores.
+void soft_cap(float* x, int64_t n, float cap) {
+  const float inv_cap = 1.0f / cap;
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) x[i] = cap * tanh_f32(x[i] * inv_cap);
+}
+
 // Into L2 (prefetcht1): the first block of an item. The later ones are prefetched a row
 // at a time by the block kernels: a whole block's prefetches issued at once filled the
 // miss buffers and stalled the core until they drained (the loop of prefetches took half
@@ -79,6 +89,15 @@ struct Decode {
   float* part_out;          // num_parts > 1: [batch, num_heads, num_parts, D]
   float* part_lse;          // num_parts > 1: [batch, num_heads, num_parts]
 
+  // First key a decode token of sequence b sees, and where its partitions start (the
+  // block boundary at or before it, as for_each_block wants).
+  int64_t first_key(int64_t b) const {
+    return s.window > 0 ? std::max<int64_t>(0, seq_lens[b] - s.window) : 0;
+  }
+  int64_t first_partition_key(int64_t b) const {
+    return first_key(b) / s.block_size * s.block_size;
+  }
+
   // Calls fn(rows, view) for each block of tokens [start, end) of sequence b, rows
   // pointing at the block in `cache`. The first block is prefetched whole; the view of
   // each block carries the offset of the next, which the block kernels prefetch row by
@@ -102,7 +121,7 @@ struct Decode {
   void run_item(int64_t item, Scratch& w) const {
     const int64_t H = s.num_heads, D = s.head_dim;
     const int64_t b = item / s.num_parts, part = item % s.num_parts;
-    const int64_t start = part * s.part_tokens;
+    const int64_t start = first_partition_key(b) + part * s.part_tokens;
     const int64_t end = std::min(seq_lens[b], start + s.part_tokens);
     if (start >= end) {  // an empty partition of a short sequence: weight 0 in the merge
       for (int64_t h = 0; h < H; ++h) part_lse[(b * H + h) * s.num_parts + part] = kNegInf;
@@ -117,6 +136,12 @@ struct Decode {
     float* row_max = w.stats.data();
     float* row_sum = row_max + H;
     const int64_t n = end - start;
+    // keys before the window (in its first block only: partition 0 of the sequence)
+    const int64_t hidden = std::min(n, first_key(b) - start);
+    for (int64_t h = 0; s.softcap > 0.0f && h < H; ++h)
+      soft_cap(sc + h * s.part_tokens, n, s.softcap);
+    for (int64_t h = 0; h < H && hidden > 0; ++h)
+      std::fill(sc + h * s.part_tokens, sc + h * s.part_tokens + hidden, kNegInf);
     for (int64_t h = 0; h < H; ++h) {  // softmax numerators in place
       float* sh = sc + h * s.part_tokens;
       float m = kNegInf, sum = 0.0f;
@@ -179,7 +204,8 @@ void for_each_item(int64_t num_items, const Shape& s, const Body& body) {
 }
 
 // Checks every sequence's length and referenced block ids (an id out of range would
-// read outside the cache) and returns the longest length.
+// read outside the cache) and returns the longest span of keys a sequence reads (from
+// its first partition key on: its length, without a window).
 template <typename I>
 int64_t check_tables(const I* tables, const std::vector<int64_t>& lens, const Shape& s,
                      int64_t num_blocks) {
@@ -188,12 +214,14 @@ int64_t check_tables(const I* tables, const std::vector<int64_t>& lens, const Sh
     const int64_t len = lens[b];
     TORCH_CHECK_VALUE(len >= 1 && len <= s.max_blocks * s.block_size, "seq_lens[", b,
                       "] = ", len, " is outside [1, ", s.max_blocks * s.block_size, "]");
-    for (int64_t j = 0; j < (len + s.block_size - 1) / s.block_size; ++j) {
+    const int64_t first =
+        s.window > 0 ? std::max<int64_t>(0, len - s.window) / s.block_size : 0;
+    for (int64_t j = first; j < (len + s.block_size - 1) / s.block_size; ++j) {
       const int64_t id = static_cast<int64_t>(tables[b * s.max_blocks + j]);
       TORCH_CHECK_VALUE(id >= 0 && id < num_blocks, "block_tables[", b, ", ", j, "] = ", id,
                         " is outside [0, ", num_blocks, ")");
     }
-    max_len = std::max(max_len, len);
+    max_len = std::max(max_len, len - first * s.block_size);
   }
   return max_len;
 }
@@ -218,7 +246,8 @@ void choose_partitions(Shape& s, int64_t max_len, int64_t partition_size) {
 struct Args {
   const at::Tensor &out, &query, &k_cache, &v_cache, &block_tables, &seq_lens;
   double scale;
-  int64_t partition_size;
+  int64_t partition_size, window;
+  double softcap;
 };
 
 template <typename T, typename I>
@@ -232,6 +261,8 @@ void decode_typed(const Args& a, const std::vector<int64_t>& lens) {
   s.group = s.num_heads / s.num_kv_heads;
   s.row_stride = s.num_kv_heads * s.head_dim;
   s.max_blocks = a.block_tables.size(1);
+  s.window = a.window;
+  s.softcap = static_cast<float>(a.softcap);
   const I* tables = a.block_tables.data_ptr<I>();
   choose_partitions(s, check_tables(tables, lens, s, a.k_cache.size(0)), a.partition_size);
 
@@ -262,14 +293,16 @@ void decode_typed(const Args& a, const std::vector<int64_t>& lens) {
 // caches alike, int32 or int64 block_tables and seq_lens (each its own).
 void decode(const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
             const at::Tensor& v_cache, const at::Tensor& block_tables,
-            const at::Tensor& seq_lens, double scale, int64_t partition_size) {
+            const at::Tensor& seq_lens, double scale, int64_t partition_size, int64_t window,
+            double softcap) {
   const int64_t batch = query.size(0);
   if (batch == 0) return;
   std::vector<int64_t> lens(batch);  // widened here so its dtype need not match the table's
   for (int64_t b = 0; b < batch; ++b)
     lens[b] = seq_lens.scalar_type() == at::kInt ? seq_lens.data_ptr<int32_t>()[b]
                                                  : seq_lens.data_ptr<int64_t>()[b];
-  const Args a{out, query, k_cache, v_cache, block_tables, seq_lens, scale, partition_size};
+  const Args a{out, query, k_cache, v_cache, block_tables, seq_lens,
+               scale, partition_size, window, softcap};
   const bool fp32 = query.scalar_type() == at::kFloat;
   const bool int32 = block_tables.scalar_type() == at::kInt;
   if (fp32 && int32) decode_typed<float, int32_t>(a, lens);
@@ -292,7 +325,8 @@ bool uses_avx512() {
 #define PAGODA_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
 PAGODA_LIBRARY(PAGODA_OP_NS, m) {
   m.def("decode(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, "
-        "Tensor block_tables, Tensor seq_lens, float scale, int partition_size) -> ()",
+        "Tensor block_tables, Tensor seq_lens, float scale, int partition_size, "
+        "int window=0, float softcap=0.0) -> ()",
         &decode);
   m.def("uses_avx512() -> bool", &uses_avx512);
 }

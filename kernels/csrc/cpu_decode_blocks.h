@@ -25,6 +25,8 @@ struct Shape {
   int64_t batch, num_heads, num_kv_heads, group, head_dim, block_size, max_blocks;
   int64_t row_stride;             // elements from one token's row to the next: kv_heads * D
   int64_t num_parts, part_tokens;  // partitions per sequence, tokens per partition
+  int64_t window;                  // > 0: a sequence attends to its last `window` keys only
+  float softcap;                   // > 0: scores -> softcap * tanh(scores / softcap)
 };
 
 // One block's share of an item: tokens [0, n) of a block whose rows ([block_size,

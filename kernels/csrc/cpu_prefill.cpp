@@ -21,6 +21,12 @@
 // cpu_prefill_tiles.h. Items are ordered by cost, longest first, and handed out through
 // an atomic counter, so ragged sequences balance on torch's intra-op pool.
 //
+// A sliding window (window > 0: a row at position p sees keys p - window < j <= p)
+// starts an item's key walk at its first row's first visible key, skips the chunks a
+// row block cannot see and masks the rest per row; a row that has seen no key yet keeps
+// max -inf and its (zero) sums. A soft cap (softcap > 0) maps each scaled score to
+// softcap * tanh(score / softcap) before the mask and the softmax.
+//
 // The portable build (-DPAGODA_PORTABLE, or no AVX-512) runs the same items with plain
 // loops: correctness only.
 #include <ATen/ATen.h>
@@ -59,6 +65,8 @@ struct Shape {
   int64_t row_stride;  // elements from one cache row (token) to the next: kv_heads * D
   int64_t tile_q;      // query positions per item
   int64_t max_len;     // longest seq_len
+  int64_t window;      // > 0: sliding window (keys p - window < j <= p)
+  float softcap;       // > 0: scores -> softcap * tanh(scores / softcap)
 };
 
 struct Item {
@@ -83,6 +91,8 @@ class Buffer {
 struct Args {
   const at::Tensor &out, &query, &k_cache, &v_cache, &query_start_loc, &seq_lens, &block_tables;
   double scale;
+  int64_t window;
+  double softcap;
 };
 
 template <typename T, typename I>  // T: element (float or bf16 bits), I: block-table index
@@ -114,11 +124,11 @@ struct Prefill {
 #ifdef PAGODA_PREFILL_AVX512
   struct Scratch {
     Buffer qt, ot, kp, vp, sc, pp, stats;
-    std::vector<int32_t> pos;
+    std::vector<int32_t> pos, low;  // per row: its position, and the last key it cannot see
     explicit Scratch(const Shape& s, int64_t rows_pad)
         : qt(s.head_dim * rows_pad), ot(s.head_dim * rows_pad), kp(kTk * s.head_dim),
           vp(kTk * s.head_dim), sc(kTk * kRB), pp(kTk * kRB), stats(2 * rows_pad),
-          pos(static_cast<size_t>(rows_pad)) {}
+          pos(static_cast<size_t>(rows_pad)), low(static_cast<size_t>(rows_pad)) {}
   };
 
   template <class M>
@@ -187,9 +197,11 @@ struct Prefill {
 
   // One row block (NR row vectors, from row `row0` of the item) against keys [k0, k0 + nk)
   // of the packed chunk: scores, online-softmax update of its stats, P.V into its O^T.
+  // first_pos: the position of its first row; last_low: the largest key some row of it
+  // cannot see for the window (-1 without one).
   template <class M, int NR>
-  void row_block(Scratch& w, int64_t rows_pad, int64_t row0, int64_t first_pos, int64_t k0,
-                 int64_t nk) const {
+  void row_block(Scratch& w, int64_t rows_pad, int64_t row0, int64_t first_pos,
+                 int64_t last_low, int64_t k0, int64_t nk) const {
     using Word = typename M::Word;
     const int64_t dw = s.head_dim / M::W, ntk = (nk + kNT - 1) / kNT * kNT;
     const Word* qt = reinterpret_cast<const Word*>(w.qt.data()) + row0;
@@ -197,23 +209,29 @@ struct Prefill {
     float* sc = w.sc.data();
     float* m_row = w.stats.data() + row0;
     float* l_row = m_row + rows_pad;
-    __m512i pos[NR];
+    __m512i pos[NR], low[NR];
     __m512 mx[NR];
     const __m512 scale_v = _mm512_set1_ps(scale);
+    const __m512 cap_v = _mm512_set1_ps(s.softcap), inv_cap_v = _mm512_set1_ps(1.0f / s.softcap);
     for (int r = 0; r < NR; ++r) {
       pos[r] = _mm512_loadu_si512(w.pos.data() + row0 + r * kLanes);
+      low[r] = _mm512_loadu_si512(w.low.data() + row0 + r * kLanes);
       mx[r] = _mm512_set1_ps(kNegInf);
     }
     for (int64_t t0 = 0; t0 < ntk; t0 += kNT) {
       __m512 acc[kNT][NR];
       qk_tile<M, NR>(qt, rows_pad, kp + t0 * dw, dw, acc);
-      const bool masked = k0 + t0 + kNT - 1 > first_pos;  // a key past some row's position
+      // a key past some row's position, or (window) at or before some row's last hidden key
+      const bool masked = k0 + t0 + kNT - 1 > first_pos || k0 + t0 <= last_low;
       for (int t = 0; t < kNT; ++t) {
         const __m512i key = _mm512_set1_epi32(static_cast<int32_t>(k0 + t0 + t));
         for (int r = 0; r < NR; ++r) {
           __m512 v = _mm512_mul_ps(acc[t][r], scale_v);
+          if (s.softcap > 0.0f) v = _mm512_mul_ps(cap_v, tanh_ps(_mm512_mul_ps(v, inv_cap_v)));
           if (masked)
-            v = _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), _mm512_cmple_epi32_mask(key, pos[r]), v);
+            v = _mm512_mask_mov_ps(
+                _mm512_set1_ps(kNegInf),
+                _mm512_cmple_epi32_mask(key, pos[r]) & _mm512_cmpgt_epi32_mask(key, low[r]), v);
           mx[r] = _mm512_max_ps(mx[r], v);
           _mm512_storeu_ps(sc + (t0 + t) * kRB + r * kLanes, v);
         }
@@ -222,11 +240,15 @@ struct Prefill {
     __m512 m_new[NR], alpha[NR], sum[NR];
     for (int r = 0; r < NR; ++r) {
       const __m512 m_old = _mm512_loadu_ps(m_row + r * kLanes);
-      m_new[r] = _mm512_max_ps(m_old, mx[r]);
-      // every row sees key 0 in its first chunk, so m_new is finite; m_old = -inf -> 0
+      const __m512 m = _mm512_max_ps(m_old, mx[r]);
+      _mm512_storeu_ps(m_row + r * kLanes, m);
+      // without a window every row sees key 0 in its first chunk, so m is finite; with
+      // one a row may see no key yet (m = -inf): subtract 0 there, so its p stay 0, not
+      // NaN. m_old = -inf -> alpha 0
+      m_new[r] = _mm512_mask_mov_ps(m, _mm512_cmp_ps_mask(m, _mm512_set1_ps(kNegInf), _CMP_EQ_OQ),
+                                    _mm512_setzero_ps());
       alpha[r] = exp_nonpos(_mm512_sub_ps(m_old, m_new[r]));
       sum[r] = _mm512_setzero_ps();
-      _mm512_storeu_ps(m_row + r * kLanes, m_new[r]);
     }
     Word* pp = reinterpret_cast<Word*>(w.pp.data());
     if constexpr (M::W == 1) {
@@ -266,6 +288,8 @@ struct Prefill {
     const int64_t rows = it.nq * G, rows_pad = (rows + kRB - 1) / kRB * kRB;
     const int64_t pos0 = context(it) + it.q0;  // position of the item's first query
     const int64_t kend = pos0 + it.nq;          // keys the last position sees
+    // the first key the first position sees (the window's start, or 0)
+    const int64_t kstart = s.window > 0 ? std::max<int64_t>(0, pos0 - s.window + 1) : 0;
     Word* qt = reinterpret_cast<Word*>(w.qt.data());  // Q^T: [dw][rows_pad]
     // a query tile is `nq` runs of G * D contiguous elements (the group's heads)
     const T* q = query + token_row(it, 0) * D;
@@ -293,14 +317,16 @@ struct Prefill {
         std::fill(dst + rows, dst + rows_pad, Word{});
       }
     }
-    for (int64_t r = 0; r < rows_pad; ++r)  // padding rows see every key (zero scores)
+    for (int64_t r = 0; r < rows_pad; ++r) {  // padding rows see every key (zero scores)
       w.pos[r] = r < rows ? static_cast<int32_t>(pos0 + r / G) : INT32_MAX;
+      w.low[r] = r < rows && s.window > 0 ? static_cast<int32_t>(pos0 + r / G - s.window) : -1;
+    }
     std::fill(w.ot.data(), w.ot.data() + rows_pad * D, 0.0f);  // O^T: [blocks][D][kRB]
     std::fill(w.stats.data(), w.stats.data() + rows_pad, kNegInf);
     std::fill(w.stats.data() + rows_pad, w.stats.data() + 2 * rows_pad, 0.0f);
     Word* kp = reinterpret_cast<Word*>(w.kp.data());
     Word* vp = reinterpret_cast<Word*>(w.vp.data());
-    for (int64_t k0 = 0; k0 < kend; k0 += kTk) {
+    for (int64_t k0 = kstart; k0 < kend; k0 += kTk) {
       const int64_t n = std::min<int64_t>(kTk, kend - k0);
       pack_kv<M>(it, k0, n, kp, vp);
       if (k0 + kTk < kend) prefetch_chunk(it, k0 + kTk, std::min<int64_t>(kTk, kend - k0 - kTk));
@@ -309,10 +335,13 @@ struct Prefill {
         const int64_t nk = std::min(n, pos0 + last / G + 1 - k0);  // keys its last row sees
         if (nk <= 0) continue;
         const int64_t first_pos = pos0 + row0 / G;
+        // the window hides keys <= low from a row at position low + window
+        const int64_t last_low = s.window > 0 ? pos0 + last / G - s.window : -1;
+        if (s.window > 0 && k0 + n - 1 <= first_pos - s.window) continue;  // none visible
         switch ((last - row0) / kLanes) {
-          case 0: row_block<M, 1>(w, rows_pad, row0, first_pos, k0, nk); break;
-          case 1: row_block<M, 2>(w, rows_pad, row0, first_pos, k0, nk); break;
-          default: row_block<M, 3>(w, rows_pad, row0, first_pos, k0, nk); break;
+          case 0: row_block<M, 1>(w, rows_pad, row0, first_pos, last_low, k0, nk); break;
+          case 1: row_block<M, 2>(w, rows_pad, row0, first_pos, last_low, k0, nk); break;
+          default: row_block<M, 3>(w, rows_pad, row0, first_pos, last_low, k0, nk); break;
         }
       }
     }
@@ -371,18 +400,20 @@ struct Prefill {
     float* acc = w.acc.data();
     for (int64_t r = 0; r < it.nq * s.group; ++r) {
       const int64_t n = pos0 + r / s.group + 1;
+      const int64_t t0 = s.window > 0 ? std::max<int64_t>(0, n - s.window) : 0;
       const T* q = query + token_row(it, r) * D;
       float m = kNegInf;
-      for (int64_t t = 0; t < n; ++t) {
+      for (int64_t t = t0; t < n; ++t) {
         const T* k = cache_row(k_cache, it.seq, t, it.kv_head);
         float dot = 0.0f;
         for (int64_t d = 0; d < D; ++d) dot += to_f32(q[d]) * to_f32(k[d]);
         sc[t] = dot * scale;
+        if (s.softcap > 0.0f) sc[t] = s.softcap * tanh_f32(sc[t] / s.softcap);
         m = std::max(m, sc[t]);
       }
       float sum = 0.0f;
       std::fill(acc, acc + D, 0.0f);
-      for (int64_t t = 0; t < n; ++t) {
+      for (int64_t t = t0; t < n; ++t) {
         const float p = exp_f32(sc[t] - m);
         const T* v = cache_row(v_cache, it.seq, t, it.kv_head);
         sum += p;
@@ -446,7 +477,9 @@ std::vector<Item> plan_items(Shape& s, const I* tables, const std::vector<int64_
     const int64_t context = len - q_len;
     for (int64_t q0 = 0; q0 < q_len; q0 += s.tile_q) {
       const int64_t nq = std::min(s.tile_q, q_len - q0);
-      const int64_t cost = nq * s.group * (context + q0 + nq / 2 + 16);
+      int64_t keys = context + q0 + nq / 2;  // ~ keys a row reads
+      if (s.window > 0) keys = std::min(keys, s.window + nq / 2);
+      const int64_t cost = nq * s.group * (keys + 16);
       for (int64_t h = 0; h < s.num_kv_heads; ++h) items.push_back({b, h, q0, nq, cost});
     }
   }
@@ -467,6 +500,8 @@ void prefill_typed(const Args& a) {
   s.group = s.num_heads / s.num_kv_heads;
   s.row_stride = s.num_kv_heads * s.head_dim;
   s.max_blocks = a.block_tables.size(1);
+  s.window = a.window;
+  s.softcap = static_cast<float>(a.softcap);
   const std::vector<int64_t> starts = widen(a.query_start_loc), lens = widen(a.seq_lens);
   const I* tables = a.block_tables.data_ptr<I>();
   const std::vector<Item> items = plan_items(s, tables, starts, lens, a.k_cache.size(0));
@@ -492,9 +527,11 @@ void prefill_typed(const Args& a) {
 // caches and out alike; int32 or int64 query_start_loc, seq_lens, block_tables (each its own).
 void prefill(const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
              const at::Tensor& v_cache, const at::Tensor& query_start_loc,
-             const at::Tensor& seq_lens, const at::Tensor& block_tables, double scale) {
+             const at::Tensor& seq_lens, const at::Tensor& block_tables, double scale,
+             int64_t window, double softcap) {
   if (seq_lens.size(0) == 0 || query.size(0) == 0) return;
-  const Args a{out, query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale};
+  const Args a{out, query, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
+               scale, window, softcap};
   const bool fp32 = query.scalar_type() == at::kFloat;
   const bool int32 = block_tables.scalar_type() == at::kInt;
   if (fp32 && int32) prefill_typed<float, int32_t>(a);
@@ -525,7 +562,8 @@ bool uses_avx512_bf16() {
 #define PAGODA_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
 PAGODA_LIBRARY(PAGODA_OP_NS, m) {
   m.def("prefill(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, "
-        "Tensor query_start_loc, Tensor seq_lens, Tensor block_tables, float scale) -> ()",
+        "Tensor query_start_loc, Tensor seq_lens, Tensor block_tables, float scale, "
+        "int window=0, float softcap=0.0) -> ()",
         &prefill);
   m.def("uses_avx512() -> bool", &uses_avx512);
   m.def("uses_avx512_bf16() -> bool", &uses_avx512_bf16);

@@ -146,6 +146,24 @@ inline __m512 exp_nonpos(__m512 x) {
   p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, n);
 }
+// tanh(x) as cpu_scalar.h's tanh_f32 (the same series and formula), 16 lanes at once.
+inline __m512 tanh_ps(__m512 x) {
+  const __m512i sign_bit = _mm512_set1_epi32(static_cast<int>(0x80000000u));
+  const __m512 a = _mm512_abs_ps(x), a2 = _mm512_mul_ps(a, a);
+  __m512 p = _mm512_set1_ps(0.0218694885f);
+  p = _mm512_fmadd_ps(p, a2, _mm512_set1_ps(-0.0539682540f));
+  p = _mm512_fmadd_ps(p, a2, _mm512_set1_ps(0.133333333f));
+  p = _mm512_fmadd_ps(p, a2, _mm512_set1_ps(-0.333333333f));
+  p = _mm512_fmadd_ps(p, a2, _mm512_set1_ps(1.0f));
+  const __m512 small = _mm512_mul_ps(a, p);
+  const __m512 e = exp_nonpos(_mm512_mul_ps(a, _mm512_set1_ps(-2.0f)));
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __m512 big = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+  const __m512 r = _mm512_mask_mov_ps(big, _mm512_cmp_ps_mask(a, _mm512_set1_ps(0.25f), _CMP_LT_OQ),
+                                      small);
+  return _mm512_castsi512_ps(_mm512_or_si512(
+      _mm512_castps_si512(r), _mm512_and_si512(_mm512_castps_si512(x), sign_bit)));
+}
 #endif  // PAGODA_PREFILL_AVX512
 
 }  // namespace pagoda_cpu_prefill

@@ -38,7 +38,9 @@ _RENAMED = {
     "mlp.down_proj.bias": "mlp.down_bias",
     "input_layernorm.weight": "input_layernorm.weight",
     "post_attention_layernorm.weight": "post_attention_layernorm.weight",
-    "self_attn.q_norm.weight": "self_attn.q_norm.weight",  # Qwen3
+    "pre_feedforward_layernorm.weight": "pre_feedforward_layernorm.weight",  # Gemma 2 / 3
+    "post_feedforward_layernorm.weight": "post_feedforward_layernorm.weight",
+    "self_attn.q_norm.weight": "self_attn.q_norm.weight",  # Qwen3, Gemma 3
     "self_attn.k_norm.weight": "self_attn.k_norm.weight",
 }
 _TOP = {
@@ -84,14 +86,14 @@ def load_model(
             raise ModelLoadError(f"{model_dir}: no lm_head.weight and tie_word_embeddings is false")
         tensors["lm_head_weight"] = tensors["embed_tokens.weight"]
     # materialise on the target device in the requested dtype (the meta parameters were
-    # made in the default dtype), then the rotary caches, which stay fp32
+    # made in the default dtype), then the derived state (rotary caches, which stay fp32)
     model = model.to_empty(device=device)
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.data = tensors[name].to(device=device, dtype=dtype).contiguous()
         if config.tie_word_embeddings:
             model.lm_head_weight = model.embed_tokens.weight
-    model.rotary.fill_cache()  # its buffers came out of to_empty uninitialised
+    model.finish_loading()
     return model.eval()
 
 

@@ -5,8 +5,9 @@ past a sequence's end shows as NaN; the reference gets the same cache with the N
 zeroed, as its padded gather would otherwise propagate them. Cases: fp32 and bf16,
 head_dim 32/64/128 (and 40, 256), block sizes 16/32, GQA groups 1/3/4, lengths 1, on
 and off block boundaries, shuffled block tables, int32/int64 indices, batch 1 and 17,
-split-K partitions (forced and heuristic, some empty), and the portable non-AVX-512
-build (slow: a second compile).
+split-K partitions (forced and heuristic, some empty), sliding windows (inside a block,
+across blocks, longer than short sequences) and attention soft caps, and the portable
+non-AVX-512 build (slow: a second compile).
 """
 
 from __future__ import annotations
@@ -37,25 +38,30 @@ def _inputs(
 
 
 def _reference(
-    query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor
+    query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
+    window: int | None = None, softcap: float | None = None,
 ) -> torch.Tensor:  # fp32 [batch, heads, head_dim]
     k, v = k.float().nan_to_num(0.0), v.float().nan_to_num(0.0)
     max_len, scale = int(lens.max()), query.shape[-1] ** -0.5
-    return reference.paged_decode_attention(query.float(), k, v, tables, lens, max_len, scale)
+    return reference.paged_decode_attention(query.float(), k, v, tables, lens, max_len, scale,
+                                            window=window, softcap=softcap)
 
 
 def _check(
     seq_lens: list[int], *shape: int, dtype: torch.dtype,
     index_dtype: torch.dtype = torch.int32, partition_size: int | None = None,
+    window: int | None = None, softcap: float | None = None,
 ) -> None:
     query, k, v, tables, lens = _inputs(seq_lens, *shape, dtype, index_dtype)
     scale = query.shape[-1] ** -0.5
     out = cpu_decode.paged_decode_attention(
-        query, k, v, tables, lens, scale, partition_size=partition_size
+        query, k, v, tables, lens, scale, partition_size=partition_size, window=window,
+        softcap=softcap,
     )
     assert out.dtype == dtype and out.shape == query.shape
-    what = f"lens={seq_lens} heads/kv/D/bs={shape} {index_dtype} partition={partition_size}"
-    assert_close(out, _reference(query, k, v, tables, lens), dtype, what)
+    what = (f"lens={seq_lens} heads/kv/D/bs={shape} {index_dtype} partition={partition_size} "
+            f"window={window} softcap={softcap}")
+    assert_close(out, _reference(query, k, v, tables, lens, window, softcap), dtype, what)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -89,6 +95,32 @@ def test_partitions(dtype: torch.dtype, partition_size: int | None) -> None:
     # trailing partitions empty; 200 is rounded up to a multiple of the block size
     _check([1000], 9, 3, 64, 16, dtype=dtype, partition_size=partition_size)
     _check([1, 17, 700, 31], 9, 3, 64, 16, dtype=dtype, partition_size=partition_size)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("partition_size", [None, 16])
+@pytest.mark.parametrize("window,softcap", [(1, None), (5, None), (48, None), (None, 0.8),
+                                            (20, 2.0)])
+def test_window_and_softcap(dtype: torch.dtype, partition_size: int | None, window: int | None,
+                            softcap: float | None) -> None:
+    # a window starting mid-block, on a boundary, or before the sequence; a partition of
+    # 16 splits the longer windows, and the heuristic splits the 1000-token context
+    lens = [1, 5, 16, 17, 40, 300, 1000]
+    _check(lens, 9, 3, 64, 16, dtype=dtype, partition_size=partition_size, window=window,
+           softcap=softcap)
+
+
+def test_window_reads_only_its_blocks() -> None:
+    # block ids before the window are never read: out of range there is no error
+    query, k, v, tables, lens = _inputs([40], 4, 2, 32, 16, torch.float32)
+    tables[0, 0] = k.shape[0]  # positions 0..15; the window of 20 starts at 20
+    out = cpu_decode.paged_decode_attention(query, k, v, tables, lens, 0.2, window=20)
+    assert not out.isnan().any()
+    with pytest.raises(ValueError, match="block_tables"):
+        cpu_decode.paged_decode_attention(query, k, v, tables, lens, 0.2, window=30)
+    for bad in ({"window": 0}, {"softcap": 0.0}, {"softcap": -1.0}):
+        with pytest.raises(ValueError):
+            cpu_decode.paged_decode_attention(query, k, v, tables, lens, 0.2, **bad)
 
 
 def test_mixed_index_dtypes_and_out() -> None:
@@ -167,3 +199,6 @@ def test_portable_build() -> None:
             ops.decode(out, query, k, v, tables, lens, shape[2] ** -0.5, 64)
             ref = _reference(query, k, v, tables, lens)
             assert_close(out, ref, dtype, f"portable {shape} {dtype}")
+            ops.decode(out, query, k, v, tables, lens, shape[2] ** -0.5, 16, 21, 1.5)
+            ref = _reference(query, k, v, tables, lens, window=21, softcap=1.5)
+            assert_close(out, ref, dtype, f"portable {shape} {dtype} window, softcap")

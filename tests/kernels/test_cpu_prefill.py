@@ -6,8 +6,9 @@ sequence's end shows as NaN; the reference gets the cache with the NaN zeroed. C
 fp32 and bf16, head_dim 32/40/64/128/256, GQA groups 1/3/4, block sizes 16/32, plain
 prefill, cached context (chunked prefill) on and off block boundaries, query_len 1,
 ragged batches, shuffled block tables, int32/int64 indices, a ~1100-token sequence,
-bad inputs, the AVX-512 build without AVX512-BF16 and the portable build (slow: a
-second and third compile).
+sliding windows (shorter than a row block's span of positions, longer than a key chunk)
+and attention soft caps, bad inputs, the AVX-512 build without AVX512-BF16 and the
+portable build (slow: a second and third compile).
 """
 
 from __future__ import annotations
@@ -48,21 +49,26 @@ def _inputs(
 
 def _reference(
     query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor,
-    lens: torch.Tensor, tables: torch.Tensor, scale: float,
+    lens: torch.Tensor, tables: torch.Tensor, scale: float, window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # fp32 [num_tokens, heads, head_dim]
     k, v = k.float().nan_to_num(0.0), v.float().nan_to_num(0.0)
-    return reference.paged_attention(query.float(), k, v, starts, lens, tables, scale)
+    return reference.paged_attention(query.float(), k, v, starts, lens, tables, scale, window,
+                                     softcap)
 
 
 def _check(
-    seqs: Seqs, *shape: int, dtype: torch.dtype, index_dtype: torch.dtype = torch.int32
+    seqs: Seqs, *shape: int, dtype: torch.dtype, index_dtype: torch.dtype = torch.int32,
+    window: int | None = None, softcap: float | None = None,
 ) -> None:
     query, k, v, starts, lens, tables = _inputs(seqs, *shape, dtype, index_dtype)
     scale = query.shape[-1] ** -0.5
-    out = cpu_prefill.paged_prefill_attention(query, k, v, starts, lens, tables, scale)
+    out = cpu_prefill.paged_prefill_attention(query, k, v, starts, lens, tables, scale,
+                                              window=window, softcap=softcap)
     assert out.dtype == dtype and out.shape == query.shape
-    what = f"seqs={seqs} heads/kv/D/bs={shape} {index_dtype}"
-    assert_close(out, _reference(query, k, v, starts, lens, tables, scale), dtype, what)
+    what = f"seqs={seqs} heads/kv/D/bs={shape} {index_dtype} window={window} softcap={softcap}"
+    ref = _reference(query, k, v, starts, lens, tables, scale, window, softcap)
+    assert_close(out, ref, dtype, what)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -101,6 +107,26 @@ def test_long_sequence(dtype: torch.dtype) -> None:
 
 def test_large_group() -> None:  # a row block narrower than its tile of positions
     _check([(50, 10), (3, 0)], 16, 1, 64, 16, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window,softcap", [(1, None), (7, None), (100, None), (None, 0.8),
+                                            (20, 2.0)])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(9, 3), (16, 1)])
+def test_window_and_softcap(dtype: torch.dtype, window: int | None, softcap: float | None,
+                            num_heads: int, num_kv_heads: int) -> None:
+    # fresh prompts past the window (row blocks whose last rows see none of the first key
+    # chunk), chunks over context reaching back past the window, decode rows, one prompt
+    # shorter than the window; group 16: a row block holds 3 positions
+    seqs = [(150, 0), (1, 70), (45, 35), (3, 200), (5, 0), (70, 130)]
+    _check(seqs, num_heads, num_kv_heads, 64, 16, dtype=dtype, window=window, softcap=softcap)
+
+
+def test_bad_window_or_softcap_raise_value_error() -> None:
+    query, k, v, starts, lens, tables = _inputs([(4, 60)], 4, 2, 32, 16, torch.float32)
+    for bad in ({"window": 0}, {"softcap": 0.0}):
+        with pytest.raises(ValueError):
+            cpu_prefill.paged_prefill_attention(query, k, v, starts, lens, tables, 0.2, **bad)
 
 
 def test_mixed_index_dtypes_out_and_untouched_rows() -> None:
@@ -198,6 +224,9 @@ def test_portable_build() -> None:
             ops.prefill(out, query, k, v, starts, lens, tables, scale)
             ref = _reference(query, k, v, starts, lens, tables, scale)
             assert_close(out, ref, dtype, f"portable {shape} {dtype}")
+            ops.prefill(out, query, k, v, starts, lens, tables, scale, 9, 1.5)
+            ref = _reference(query, k, v, starts, lens, tables, scale, 9, 1.5)
+            assert_close(out, ref, dtype, f"portable {shape} {dtype} window, softcap")
 
 
 @pytest.mark.slow
@@ -219,3 +248,6 @@ def test_avx512_without_bf16_build() -> None:
             ops.prefill(out, query, k, v, starts, lens, tables, scale)
             ref = _reference(query, k, v, starts, lens, tables, scale)
             assert_close(out, ref, dtype, f"no-bf16 {shape} {dtype}")
+            ops.prefill(out, query, k, v, starts, lens, tables, scale, 9, 1.5)
+            ref = _reference(query, k, v, starts, lens, tables, scale, 9, 1.5)
+            assert_close(out, ref, dtype, f"no-bf16 {shape} {dtype} window, softcap")

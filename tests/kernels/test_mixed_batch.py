@@ -1,4 +1,5 @@
-"""One step of a batch mixing decodes and prefills through the Triton backend.
+"""One step of a batch mixing decodes and prefills through the Triton backend and the
+C++ CPU backend, with and without a sliding window and soft cap (as a Gemma 2 layer).
 
 The torch backend (the CPU path, built on kernels.reference) is the oracle: same
 new K/V, same caches, same metadata; both the attention output and the caches
@@ -19,9 +20,7 @@ from kernel_cases import (
     skip_unless_runnable,
 )
 from services.worker.attention.base import AttentionMetadata
-from services.worker.attention.torch_backend import TorchAttentionBackend
-
-pytestmark = require_triton
+from services.worker.attention.torch_backend import CpuAttentionBackend, TorchAttentionBackend
 
 BLOCK_SIZE, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 8, 2, 64
 
@@ -56,8 +55,12 @@ def _to(meta: AttentionMetadata, dev: torch.device) -> AttentionMetadata:
     )
 
 
+@require_triton
+@pytest.mark.parametrize("window,softcap", [(None, None), (7, 1.5)])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_mixed_decode_and_prefill_step_matches_torch_backend(dtype: torch.dtype) -> None:
+def test_mixed_decode_and_prefill_step_matches_torch_backend(
+    dtype: torch.dtype, window: int | None, softcap: float | None
+) -> None:
     skip_unless_runnable()
     from services.worker.attention.triton_backend import TritonAttentionBackend
 
@@ -86,14 +89,45 @@ def test_mixed_decode_and_prefill_step_matches_torch_backend(dtype: torch.dtype)
         min_tokens_per_split=32, decode_tile_n=16, prefill_block_m=16, prefill_tile_n=16
     )
     out = triton_backend.forward(
-        query.to(dev), key.to(dev), value.to(dev), k_dev, v_dev, _to(meta, dev), scale
+        query.to(dev), key.to(dev), value.to(dev), k_dev, v_dev, _to(meta, dev), scale,
+        window=window, softcap=softcap,
     )
     # the oracle in fp32 over the same rounded values
     k32, v32 = k_ref.float(), v_ref.float()
     ref = TorchAttentionBackend().forward(
-        query.float(), key.float(), value.float(), k32, v32, meta, scale
+        query.float(), key.float(), value.float(), k32, v32, meta, scale, window=window,
+        softcap=softcap,
     )
     assert torch.equal(k_dev.cpu(), k32.to(dtype)) and torch.equal(v_dev.cpu(), v32.to(dtype)), (
         "caches differ after the write"
     )
     assert_close(out, ref, dtype, "mixed decode + prefill step")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_backend_layers_with_and_without_a_window_match_torch_backend(
+    dtype: torch.dtype,
+) -> None:
+    """Three layers of one step, as Gemma 2 alternates them: windowed + soft-capped, full,
+    windowed again. The backends keep per-step state (decode plans) that must be per
+    window; the C++ kernels (or their fallbacks) against the torch path."""
+    gen = torch.Generator().manual_seed(1)
+    query_lens = [1, 1, 1, 16, 5]
+    seq_lens = [1, 17, 130, 16, 32]
+    meta, num_blocks = _metadata(query_lens, seq_lens, 3, gen)
+    oracle_meta, _ = _metadata(query_lens, seq_lens, 3, torch.Generator().manual_seed(1))
+    t = meta.num_tokens
+    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    cpu, oracle = CpuAttentionBackend(), TorchAttentionBackend()
+    for layer, (window, softcap) in enumerate([(7, 1.5), (None, None), (20, None)]):
+        query = torch.randn(t, NUM_HEADS, HEAD_DIM, generator=gen).to(dtype)
+        key = torch.randn(t, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+        value = torch.randn(t, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+        k_cache = torch.randn(shape, generator=gen).to(dtype)
+        v_cache = torch.randn(shape, generator=gen).to(dtype)
+        k32, v32 = k_cache.float(), v_cache.float()
+        out = cpu.forward(query, key, value, k_cache, v_cache, meta, HEAD_DIM**-0.5,
+                          window=window, softcap=softcap)
+        ref = oracle.forward(query.float(), key.float(), value.float(), k32, v32, oracle_meta,
+                             HEAD_DIM**-0.5, window=window, softcap=softcap)
+        assert_close(out, ref, dtype, f"layer {layer}: window {window}, softcap {softcap}")

@@ -2,7 +2,8 @@
 
 Cases: random non-contiguous block tables, context length 1, lengths on and one past
 a block boundary, GQA ratios 1/3/4/16, head_dim 64 and 128, block sizes 16 and 32,
-three dtypes, and forced or heuristic split-K with empty splits.
+three dtypes, forced or heuristic split-K with empty splits, and sliding windows (whose
+splits start at the window's tile) with attention soft caps.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from kernels import reference
 
 def _run_decode(
     seq_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-    dtype: torch.dtype, seed: int = 0, **kwargs: int,
+    dtype: torch.dtype, seed: int = 0, window: int | None = None, softcap: float | None = None,
+    **kwargs: int,
 ) -> None:
     skip_unless_runnable()
     from kernels.paged_decode import paged_decode_attention
@@ -39,11 +41,13 @@ def _run_decode(
     dev = device()
     out = paged_decode_attention(
         query.to(dev), k.to(dev), v.to(dev), tables.to(dev), lens.to(dev), max(seq_lens), scale,
-        **kwargs,
+        window=window, softcap=softcap, **kwargs,
     )
     qsl = torch.arange(len(seq_lens) + 1, dtype=torch.int32)
-    ref = reference.paged_attention(query.float(), k.float(), v.float(), qsl, lens, tables, scale)
-    what = f"decode lens={seq_lens} heads={num_heads}/{num_kv_heads} {kwargs}"
+    ref = reference.paged_attention(query.float(), k.float(), v.float(), qsl, lens, tables, scale,
+                                    window, softcap)
+    what = (f"decode lens={seq_lens} heads={num_heads}/{num_kv_heads} {kwargs} "
+            f"window={window} softcap={softcap}")
     assert_close(out, ref, dtype, what)
 
 
@@ -69,6 +73,22 @@ def test_decode_gqa_ratios(num_heads: int, num_kv_heads: int) -> None:
 def test_decode_split_k(num_splits: int, dtype: torch.dtype) -> None:
     # a short sequence beside long ones leaves splits empty (lse = -inf in the reduce)
     _run_decode([150, 1, 97, 33], 8, 2, 64, 16, dtype, seed=2, num_splits=num_splits, tile_n=16)
+
+
+@require_triton
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("window,softcap", [(5, None), (40, None), (None, 0.8), (20, 2.0)])
+def test_decode_window_and_softcap(num_splits: int, window: int | None,
+                                   softcap: float | None) -> None:
+    # windows starting mid-tile and before short sequences; with splits over the window's
+    # tiles only, some of them empty
+    _run_decode([150, 1, 17, 40], 8, 2, 64, 16, torch.float32, seed=4, window=window,
+                softcap=softcap, num_splits=num_splits, tile_n=16)
+
+
+@require_triton
+def test_decode_window_bf16() -> None:
+    _run_decode([70, 9], 4, 2, 64, 16, torch.bfloat16, seed=5, window=24, softcap=1.5, tile_n=16)
 
 
 @require_triton

@@ -2,8 +2,9 @@
 
 Cases: fresh prompts (no context), chunked prefill and prefix hits (context on, one
 past, and off a block boundary), a one-token chunk, GQA ratios 1/3/8, head_dim 64
-and 128, block sizes 16 and 32, three dtypes, and prefills that follow decodes in the
-batch (query_start_loc passed as a slice, the decode rows left untouched).
+and 128, block sizes 16 and 32, three dtypes, prefills that follow decodes in the
+batch (query_start_loc passed as a slice, the decode rows left untouched), and sliding
+windows (a tile's key walk starting at its first row's window) with attention soft caps.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ pytestmark = require_triton
 def _run_prefill(
     query_lens: list[int], seq_lens: list[int], num_heads: int, num_kv_heads: int,
     head_dim: int, block_size: int, dtype: torch.dtype, seed: int = 0, num_leading: int = 0,
-    **kwargs: int,
+    window: int | None = None, softcap: float | None = None, **kwargs: int,
 ) -> None:
     """``num_leading`` first sequences are left to another kernel (decodes): not passed."""
     skip_unless_runnable()
@@ -48,11 +49,14 @@ def _run_prefill(
     s = num_leading
     paged_prefill_attention(
         query.to(dev), k.to(dev), v.to(dev), qsl[s:].to(dev), lens[s:].to(dev),
-        tables[s:].to(dev), max(query_lens[s:]), scale, out=out, **kwargs,
+        tables[s:].to(dev), max(query_lens[s:]), scale, out=out, window=window, softcap=softcap,
+        **kwargs,
     )
-    ref = reference.paged_attention(query.float(), k.float(), v.float(), qsl, lens, tables, scale)
+    ref = reference.paged_attention(query.float(), k.float(), v.float(), qsl, lens, tables, scale,
+                                    window, softcap)
     first = int(qsl[s])
-    what = f"prefill q={query_lens} seq={seq_lens} heads={num_heads}/{num_kv_heads} {kwargs}"
+    what = (f"prefill q={query_lens} seq={seq_lens} heads={num_heads}/{num_kv_heads} {kwargs} "
+            f"window={window} softcap={softcap}")
     assert_close(out[first:], ref[first:], dtype, what)
     assert bool((out[:first] == 7.0).all()), f"{what}: rows of the leading sequences were written"
 
@@ -79,6 +83,20 @@ def test_prefill_after_decodes_in_one_batch() -> None:
     # three decodes first (left to the decode kernel), then two prefills
     _run_prefill([1, 1, 1, 17, 6], [9, 33, 1, 17, 22], 4, 2, 64, 16, torch.float32, seed=2,
                  num_leading=3, block_m=32, tile_n=16)
+
+
+@pytest.mark.parametrize("window,softcap", [(1, None), (6, None), (40, None), (None, 0.8),
+                                            (9, 2.0)])
+def test_prefill_window_and_softcap(window: int | None, softcap: float | None) -> None:
+    # a fresh prompt past the window (later query tiles skip the first key tiles), a
+    # chunk over context reaching back past it, a one-token chunk, a short fresh prompt
+    _run_prefill([37, 12, 1, 3], [37, 50, 30, 3], 4, 2, 64, 16, torch.float32, seed=4,
+                 window=window, softcap=softcap, block_m=16, tile_n=16)
+
+
+def test_prefill_window_bf16_after_decodes() -> None:
+    _run_prefill([1, 1, 20, 9], [9, 33, 20, 40], 4, 2, 64, 16, torch.bfloat16, seed=5,
+                 num_leading=2, window=7, softcap=1.5, block_m=32, tile_n=16)
 
 
 def test_prefill_larger_tiles_than_sequences() -> None:

@@ -4,6 +4,11 @@ The model runner builds one ``AttentionMetadata`` per step; every layer's attent
 hands its new q/k/v and its layer's cache to ``AttentionBackend.forward``, which
 writes the new K/V into their slots and attends over context + new tokens.
 
+Per layer, a backend also honours the layer's sliding window (a query at position p
+sees keys p - window < j <= p; None: every earlier key) and attention-logit soft cap
+(scores -> cap * tanh(scores / cap) before the softmax; Gemma 2). The KV cache of a
+windowed layer stays full-size: keys left behind by the window are kept, not read.
+
 Batch order: the runner puts the ``num_decodes`` sequences with exactly one new
 token first, then the prefills (whole prompts, chunks, or the rest of a prompt
 after a prefix-cache hit), so a backend can treat each group in one piece.
@@ -54,5 +59,8 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        *,
+        window: int | None = None,  # sliding window of this layer, None: full attention
+        softcap: float | None = None,  # attention-logit soft cap, None: none
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Write the new K/V into the cache, then attend (causal, over the context)."""

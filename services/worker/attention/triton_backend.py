@@ -3,7 +3,8 @@
 Per layer and step: the cache-write kernel stores the new K/V in their slots, the
 split-K decode kernel serves the ``num_decodes`` leading sequences, and the varlen
 prefill kernel serves the rest (fresh prompts, chunks and prefix hits alike, all
-read through the block table). Kernel tile sizes are fixed at construction.
+read through the block table); both take the layer's sliding window and soft cap.
+Kernel tile sizes are fixed at construction.
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ class TritonAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        *,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         write_kv_cache(key, value, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(query)
@@ -54,6 +58,7 @@ class TritonAttentionBackend(AttentionBackend):
                 query[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
                 max(meta.seq_lens_host[:nd]), scale, out=out[:nd], num_splits=self.num_splits,
                 min_tokens_per_split=self.min_tokens_per_split, tile_n=self.decode_tile_n,
+                window=window, softcap=softcap,
             )
         if nd < meta.num_seqs:
             # the prefills' query_start_loc values index query/out directly
@@ -61,5 +66,6 @@ class TritonAttentionBackend(AttentionBackend):
                 query, k_cache, v_cache, meta.query_start_loc[nd:], meta.seq_lens[nd:],
                 meta.block_tables[nd:], meta.max_query_len, scale, out=out,
                 block_m=self.prefill_block_m, tile_n=self.prefill_tile_n,
+                window=window, softcap=softcap,
             )
         return out

@@ -49,7 +49,13 @@ def rope_inv_freq(
 
     fields = {k: v for k, v in hf_config.items() if k != "model_type"}
     config = AutoConfig.for_model(hf_config["model_type"], **fields)
-    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    # transformers 5 nests Gemma 3's parameters by layer type: the scaled rope is the
+    # full-attention layers' (the sliding ones' is unscaled, never computed here)
+    params = getattr(config, "rope_parameters", None)
+    layer_type = "full_attention" if isinstance(params, dict) and isinstance(
+        params.get("full_attention"), dict) else None
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"),
+                                                                layer_type=layer_type)
     return inv_freq.float(), float(attention_factor)
 
 

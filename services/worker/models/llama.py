@@ -1,10 +1,16 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3/4, SmolLM) over a flattened
-varlen batch.
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3/4, SmolLM, Gemma 2, Gemma 3
+text) over a flattened varlen batch.
 
 All new tokens of a step are concatenated into one ``[num_tokens]`` batch with their
 ``positions``; per-sequence structure lives in the ``AttentionMetadata``. The q/k/v
 and gate/up projections are fused into one matmul each (weights concatenated at load
 time by the loader). Logits are computed only for the rows the caller asks for.
+
+The families differ only through ``ModelConfig`` fields read here: biases, q/k norms,
+partial rotary, per-layer sliding windows, and Gemma's hooks (embeddings scaled by
+sqrt(hidden_size), RMSNorm by 1 + weight, GeGLU, norms on the attention and MLP outputs
+too, query_pre_attn_scalar, attention and final logit soft caps, a second rope for
+Gemma 3's sliding layers).
 """
 
 from __future__ import annotations
@@ -27,10 +33,15 @@ def _weight(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
+def _norm(config: ModelConfig, size: int) -> RMSNorm:
+    return RMSNorm(size, config.rms_norm_eps, unit_offset=config.norm_unit_offset)
+
+
 class LlamaAttention(nn.Module):
     PACKED_WEIGHTS = ("qkv_weight", "o_weight")  # see layers/linear.py
 
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding,
+                 window: int | None = None) -> None:
         super().__init__()
         self.qkv_weight_packed: torch.Tensor | None = None
         self.o_weight_packed: torch.Tensor | None = None
@@ -39,15 +50,17 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim**-0.5
+        self.scale = (config.query_pre_attn_scalar or self.head_dim) ** -0.5
+        self.window = window  # this layer's sliding window, None: full attention
+        self.softcap = config.attn_logit_softcapping
         self.rotary = rotary
         self.qkv_weight = _weight(self.q_size + 2 * self.kv_size, config.hidden_size)
         self.qkv_bias = _weight(self.q_size + 2 * self.kv_size) if config.qkv_bias else None
         self.o_weight = _weight(config.hidden_size, self.q_size)
         self.o_bias = _weight(config.hidden_size) if config.o_proj_bias else None
-        # Qwen3: per-head RMSNorm of q and k (over head_dim) before the rotation
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        # Qwen3, Gemma 3: per-head RMSNorm of q and k (over head_dim) before the rotation
+        self.q_norm = _norm(config, self.head_dim) if config.qk_norm else None
+        self.k_norm = _norm(config, self.head_dim) if config.qk_norm else None
 
     def forward(
         self,
@@ -69,7 +82,8 @@ class LlamaAttention(nn.Module):
             k.reshape(t, self.num_kv_heads, self.head_dim),
         )
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
+                              window=self.window, softcap=self.softcap)
         return linear(out.reshape(t, self.q_size), self.o_weight, self.o_bias, self.o_weight_packed)
 
 
@@ -79,6 +93,7 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig, fused: bool = True) -> None:
         super().__init__()
         self.fused = fused  # kernels.cpu_fused.silu_mul where it applies
+        self.gelu = config.hidden_act == "gelu_pytorch_tanh"  # GeGLU (Gemma), else SwiGLU
         self.gate_up_weight_packed: torch.Tensor | None = None
         self.down_weight_packed: torch.Tensor | None = None
         self.intermediate_size = config.intermediate_size
@@ -89,7 +104,10 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = linear(x, self.gate_up_weight, self.gate_up_bias, self.gate_up_weight_packed)
-        if (
+        if self.gelu:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            act = F.gelu(gate, approximate="tanh") * up
+        elif (
             self.fused and gate_up.is_cpu and gate_up.dtype in cpu_fused.DTYPES
             and cpu_fused.available()
         ):
@@ -101,11 +119,17 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding,
+                 window: int | None = None) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, rotary)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = _norm(config, config.hidden_size)
+        self.self_attn = LlamaAttention(config, rotary, window)
+        # Llama: the MLP's pre-norm; Gemma (sandwich_norms): the attention output's norm
+        self.post_attention_layernorm = _norm(config, config.hidden_size)
+        self.sandwich_norms = config.sandwich_norms
+        if config.sandwich_norms:
+            self.pre_feedforward_layernorm = _norm(config, config.hidden_size)
+            self.post_feedforward_layernorm = _norm(config, config.hidden_size)
         self.mlp = LlamaMLP(config)
 
     def forward(
@@ -117,10 +141,15 @@ class LlamaDecoderLayer(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden, residual) in and out: the residual stream is their sum."""
         hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden, kv_cache, meta, backend)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        if not self.sandwich_norms:
+            hidden, residual = self.post_attention_layernorm(hidden, residual)
+            return self.mlp(hidden), residual
+        hidden = self.post_attention_layernorm(hidden)[0]
+        hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
+        return self.post_feedforward_layernorm(self.mlp(hidden))[0], residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -130,23 +159,40 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.lm_head_weight_packed: torch.Tensor | None = None
         self.config = config
+        max_position = max_position or config.max_position_embeddings
+        rotary_dim = int(config.head_dim * config.partial_rotary_factor)
         rotary = RotaryEmbedding(
-            config.head_dim,
-            max_position or config.max_position_embeddings,
-            config.rope_theta,
-            config.rope_scaling,
-            hf_config=config.hf_config,
-            rotary_dim=int(config.head_dim * config.partial_rotary_factor),
+            config.head_dim, max_position, config.rope_theta, config.rope_scaling,
+            hf_config=config.hf_config, rotary_dim=rotary_dim,
         )
+        # Gemma 3: the sliding layers rotate with their own base, unscaled
+        local = rotary if config.rope_local_theta is None else RotaryEmbedding(
+            config.head_dim, max_position, config.rope_local_theta, None, rotary_dim=rotary_dim)
+        windows = config.layer_windows or (None,) * config.num_hidden_layers
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
+        self.embed_scale: float | None = None  # Gemma: sqrt(hidden) in the weights' dtype
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, rotary) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, rotary if window is None else local, window)
+            for window in windows
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = _norm(config, config.hidden_size)
         # tied embeddings share the embedding tensor (set by the loader)
         self.lm_head_weight = _weight(config.vocab_size, config.hidden_size)
         self.rotary = rotary
+
+    @torch.no_grad()
+    def finish_loading(self) -> None:
+        """Derived state, once the weights are in place: the rotary tables (their buffers
+        come out of ``to_empty`` uninitialised), Gemma's norm scales and embedding scale."""
+        for module in self.modules():  # shared modules (a rotary) once
+            if isinstance(module, RotaryEmbedding):
+                module.fill_cache()
+            elif isinstance(module, RMSNorm):
+                module.finish_loading()
+        if self.config.embed_scale:  # HF rounds sqrt(hidden) to the weights' dtype
+            scale = torch.tensor(self.config.hidden_size**0.5, dtype=torch.float32)
+            self.embed_scale = float(scale.to(self.embed_tokens.weight.dtype))
 
     def forward(
         self,
@@ -157,6 +203,8 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:  # [T, hidden] final hidden states
         hidden = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            hidden = hidden * self.embed_scale
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta, backend)
@@ -164,4 +212,8 @@ class LlamaForCausalLM(nn.Module):
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
-        return linear(hidden, self.lm_head_weight, None, self.lm_head_weight_packed).float()
+        logits = linear(hidden, self.lm_head_weight, None, self.lm_head_weight_packed).float()
+        cap = self.config.final_logit_softcapping
+        if cap is not None:  # Gemma, in fp32 (HF: in the model's dtype)
+            logits = torch.tanh(logits / cap) * cap
+        return logits
