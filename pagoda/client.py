@@ -173,6 +173,7 @@ class _Collector:
 
 
 Message = Mapping[str, Any] | ChatMessage
+PROMPT_OPTIONS = ("add_special_tokens", "continue_final_message", "chat_template_kwargs")
 Tool = Mapping[str, Any] | ToolFunction
 
 
@@ -185,12 +186,14 @@ def _build_request(
 ) -> GenerateRequest:
     """A GenerateRequest, or InvalidRequestError for what the client can see is wrong.
 
-    Besides the ``SamplingParams`` fields, ``sampling`` may hold ``add_generation_prompt``
+    Besides the ``SamplingParams`` fields, ``sampling`` may hold ``add_generation_prompt``,
+    vLLM's ``add_special_tokens``, ``continue_final_message`` and ``chat_template_kwargs``
     and, with ``messages``, OpenAI's ``tools`` (function tools, as dicts or
     ``ToolFunction``s), ``tool_choice`` ("none", "auto", "required" or
     ``{"type": "function", "function": {"name": ...}}``) and ``parallel_tool_calls``.
     """
     add_generation_prompt = bool(sampling.pop("add_generation_prompt", True))
+    prompt_options = {k: sampling.pop(k) for k in PROMPT_OPTIONS if k in sampling}
     tools = sampling.pop("tools", None) or []
     tool_choice = sampling.pop("tool_choice", None)
     parallel_tool_calls = bool(sampling.pop("parallel_tool_calls", True))
@@ -199,7 +202,7 @@ def _build_request(
         req = GenerateRequest(request_id, params, stream=stream,
                               add_generation_prompt=add_generation_prompt,
                               tools=[_tool(t) for t in tools],
-                              parallel_tool_calls=parallel_tool_calls)
+                              parallel_tool_calls=parallel_tool_calls, **prompt_options)
         if isinstance(tool_choice, Mapping):
             req.tool_choice, req.tool_function = "function", tool_choice["function"]["name"]
         else:

@@ -81,6 +81,12 @@ class LLM:
         prompt_list = _normalise_prompts(prompts)
         params = _broadcast_params(sampling_params, len(prompt_list))
         token_ids = [self._tokenize(p) for p in prompt_list]  # all valid before any runs
+        return self._generate(prompt_list, token_ids, params, use_tqdm)
+
+    def _generate(self, prompt_list: list[Prompt], token_ids: list[list[int]],
+                  params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        token_ids = [_truncated(ids, p, self.engine.max_model_len)
+                     for ids, p in zip(token_ids, params)]
         finals = _Finals([p.n for p in params])
         request_ids: list[str] = []
         try:
@@ -128,13 +134,17 @@ class LLM:
         extra = dict(chat_template_kwargs or {})
         if tools is not None:
             extra["tools"] = list(tools)
-        prompts = [
-            self._require_tokenizer().apply_chat_template(
+        tokenizer = self._require_tokenizer()
+        prompts: list[Prompt] = [
+            tokenizer.apply_chat_template(
                 list(conv), tokenize=False, add_generation_prompt=add_generation_prompt, **extra,
             )
             for conv in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        # the template writes BOS: no special tokens added again (as the frontend does)
+        token_ids = [list(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts]
+        params = _broadcast_params(sampling_params, len(prompts))
+        return self._generate(prompts, token_ids, params, use_tqdm)
 
     def get_tokenizer(self):  # type: ignore[no-untyped-def]
         return self._require_tokenizer()
@@ -165,6 +175,14 @@ class LLM:
                 bar.update(finals.num_finished_prompts - bar.n)
         finally:
             bar.close()
+
+
+def _truncated(token_ids: list[int], params: SamplingParams, max_model_len: int) -> list[int]:
+    """``truncate_prompt_tokens``: the prompt's last k tokens (-1: max_model_len - 1)."""
+    k = params.truncate_prompt_tokens
+    if k is None:
+        return token_ids
+    return token_ids[-(max_model_len - 1 if k == -1 else k):]
 
 
 def _completion(sample: SampleOutput, params: SamplingParams) -> CompletionOutput:

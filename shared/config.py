@@ -17,7 +17,7 @@ import argparse
 import os
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "triton", "cpu", "torch")  # services/worker/attention/selector.py
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral", "none")  # tokenizer/tool_parsers.py
 DEFAULT_CACHE_DIR = "~/.cache/pagoda"
+KV_EVENTS_ENCODINGS = ("map", "array")  # services/scheduler/kv_events.py
 TP_ISSUE = "issue 15"
 
 
@@ -164,6 +165,13 @@ class ProcessSettings:
     # how the HTTP API finds tool calls in chat output: one of TOOL_CALL_PARSERS; auto:
     # from the chat template's text where it is clear, else none
     tool_call_parser: str = "auto"
+    # the Responses API's store of finished responses (per frontend process), for
+    # GET /v1/responses/{id} and previous_response_id: at most this many, each this long
+    responses_max_stored: int = 1024
+    responses_ttl_s: float = 3600.0
+    # a key every HTTP API request must carry (Authorization: Bearer, or x-api-key);
+    # None: no check. Passed to the frontends in the environment, never on a command line
+    api_key: str | None = field(default=None, repr=False)
     allow_wildcard_bind: bool = False  # only on an isolated network (compose internal net)
     socket_hwm: int = DEFAULT_HWM
     max_frame_bytes: int = MAX_FRAME_BYTES
@@ -173,6 +181,13 @@ class ProcessSettings:
     rank: int = 0  # this worker's rank, < tensor_parallel_size (pagoda serve sets it per worker)
     testing: bool = False  # test mode: a broken scheduler invariant is fatal, not just counted
     cache_dir: str = DEFAULT_CACHE_DIR  # where `pagoda fetch` puts models (env PAGODA_CACHE)
+    # the scheduler's KV cache events in vLLM's format (services/scheduler/kv_events.py):
+    # None: off. A wildcard, ipc:// or inproc:// address is bound, a tcp://host:port one
+    # connected to (a subscriber that binds), as vLLM's --kv-events-config endpoint
+    kv_events_endpoint: str | None = None
+    kv_events_topic: str = ""  # the first frame of every batch (vLLM's default: empty)
+    # each event as a map by field name (vLLM >= 0.24) or a positional array (<= 0.23)
+    kv_events_encoding: str = "map"
 
     def __post_init__(self) -> None:
         if self.num_frontends < 1 or self.frontend_index < 0:
@@ -186,6 +201,11 @@ class ProcessSettings:
         if self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ConfigError(f"tool_call_parser: must be one of {', '.join(TOOL_CALL_PARSERS)}, "
                               f"got {self.tool_call_parser!r}")
+        if self.responses_max_stored < 0 or not self.responses_ttl_s > 0:
+            raise ConfigError(f"responses_max_stored must be >= 0 and responses_ttl_s > 0, got "
+                              f"{self.responses_max_stored} and {self.responses_ttl_s}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ConfigError("api_key: must not be blank")
         if self.served_model_name is not None and not self.served_model_name.strip():
             raise ConfigError("served_model_name: must not be blank")
         if self.http_max_body_bytes < 1024:
@@ -196,6 +216,14 @@ class ProcessSettings:
             raise ConfigError("startup_timeout_s must be > 0 and shutdown_timeout_s >= 0")
         if self.step_timeout_s <= 0:
             raise ConfigError(f"step_timeout_s: must be > 0, got {self.step_timeout_s}")
+        if self.kv_events_endpoint is not None:
+            try:
+                check_address(self.kv_events_endpoint)
+            except ValueError as e:
+                raise ConfigError(f"kv_events_endpoint: {e}") from None
+        if self.kv_events_encoding not in KV_EVENTS_ENCODINGS:
+            raise ConfigError(f"kv_events_encoding: must be one of "
+                              f"{', '.join(KV_EVENTS_ENCODINGS)}, got {self.kv_events_encoding!r}")
 
 
 @dataclass(frozen=True)
@@ -313,6 +341,14 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("tool_call_parser", "process", _choice(*TOOL_CALL_PARSERS), _PROC.tool_call_parser,
             "format of tool calls in chat output (services/tokenizer/tool_parsers.py); auto: "
             "the one the chat template shows (hermes for <tool_call>), else none"),
+    Setting("responses_max_stored", "process", int, _PROC.responses_max_stored,
+            "Responses API: finished responses each frontend keeps for GET /v1/responses/{id} "
+            "and previous_response_id, oldest dropped first (0: none)"),
+    Setting("responses_ttl_s", "process", float, _PROC.responses_ttl_s,
+            "Responses API: seconds a stored response is kept"),
+    Setting("api_key", "process", _optional(str), None,
+            "key the HTTP API requires on /v1 routes (Authorization: Bearer <key> or "
+            "x-api-key: <key>); prefer the PAGODA_API_KEY environment variable"),
     Setting("allow_wildcard_bind", "process", _parse_bool, _PROC.allow_wildcard_bind,
             "allow binding tcp://* or 0.0.0.0 (isolated networks only)"),
     Setting("socket_hwm", "process", int, _PROC.socket_hwm, "ZMQ high-water mark (messages)"),
@@ -330,6 +366,16 @@ SETTINGS: tuple[Setting, ...] = (
             "test mode: a broken scheduler invariant is fatal (the test suite sets it)"),
     Setting("cache_dir", "process", str, _PROC.cache_dir,
             "directory of fetched models (pagoda fetch)", env_name="PAGODA_CACHE"),
+    Setting("kv_events_endpoint", "process", _optional(str), None,
+            "publish vLLM-format KV cache events (ZMQ, msgpack) here, e.g. tcp://*:5557 "
+            "(bound; a wildcard needs --allow-wildcard-bind), ipc:///path (bound) or "
+            "tcp://host:5557 (connected to a subscriber that binds); default: off"),
+    Setting("kv_events_topic", "process", str, _PROC.kv_events_topic,
+            "topic (first frame) of every KV event batch, e.g. kv-events"),
+    Setting("kv_events_encoding", "process", _choice(*KV_EVENTS_ENCODINGS),
+            _PROC.kv_events_encoding,
+            "KV events as maps by field name (map: vLLM >= 0.24) or positional arrays "
+            "(array: vLLM <= 0.23 subscribers)"),
 )
 SETTINGS_BY_KEY: dict[str, Setting] = {s.key: s for s in SETTINGS}
 

@@ -328,6 +328,11 @@ class GenerateRequest(_Wire, tag=8):
     tool_choice: Literal["none", "auto", "required", "function"] | None = None
     tool_function: Text | None = None
     parallel_tool_calls: bool = True
+    # vLLM's prompt options (issue 24): special tokens added when tokenizing (None: yes
+    # for a prompt, no for messages), the last assistant message continued, template vars
+    add_special_tokens: bool | None = None
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if (self.tool_choice == "function") != (self.tool_function is not None):
@@ -393,6 +398,10 @@ class MalformedCount(_Wire):
     count: Count
 
 
+def _no_observations() -> Histogram:
+    return Histogram([], [0], 0.0, 0)
+
+
 class EngineStats(_Wire, tag=11):
     """Scheduler -> every frontend: the figures only the scheduler knows, so each
     frontend's /metrics shows the same, complete numbers however many there are."""
@@ -415,9 +424,40 @@ class EngineStats(_Wire, tag=11):
     queue_time: Histogram  # seconds, arrival to first scheduled
     invariant_failures: Count
     malformed_frames: list[MalformedCount] = []
+    # appended for vLLM's metric names (services/tokenizer/engine_stats.py renders them):
+    # labels, then figures with vLLM's definitions (services/scheduler/metrics.py)
+    model_name: Text = ""  # the served model name, the first of --served-model-name
+    cache_dtype: Text = ""
+    block_size: Count = 0
+    enable_prefix_caching: bool = False
+    waiting_deferred: Count = 0  # of waiting: held back by a grammar still compiling
+    prompt_tokens_computed: Count = 0  # counter, per sequence at its first token
+    prompt_tokens_cached: Count = 0  # counter, of those prompts: prefix-cache hits
+    # seconds, of finished sequences: first scheduled -> first token -> last token
+    prefill_time: Histogram = msgspec.field(default_factory=_no_observations)
+    decode_time: Histogram = msgspec.field(default_factory=_no_observations)
+    inference_time: Histogram = msgspec.field(default_factory=_no_observations)
+    request_time_per_output_token: Histogram = msgspec.field(default_factory=_no_observations)
+    request_prompt_tokens: Histogram = msgspec.field(default_factory=_no_observations)
+    request_generation_tokens: Histogram = msgspec.field(default_factory=_no_observations)
+    request_max_num_generation_tokens: Histogram = msgspec.field(default_factory=_no_observations)
+    request_params_n: Histogram = msgspec.field(default_factory=_no_observations)
+    request_params_max_tokens: Histogram = msgspec.field(default_factory=_no_observations)
+    request_prefill_kv_computed_tokens: Histogram = msgspec.field(default_factory=_no_observations)
+    iteration_tokens: Histogram = msgspec.field(default_factory=_no_observations)  # per step
+    kv_events_published: Count = 0  # KV event batches sent (counter)
+    kv_events_dropped: Count = 0  # KV event batches a slow subscriber kept from going out
 
     def __post_init__(self) -> None:
         _finite("EngineStats.kv_usage", self.kv_usage)
+        for h in (self.time_to_first_token, self.inter_token_latency, self.e2e_latency,
+                  self.queue_time, self.prefill_time, self.decode_time, self.inference_time,
+                  self.request_time_per_output_token, self.request_prompt_tokens,
+                  self.request_generation_tokens, self.request_max_num_generation_tokens,
+                  self.request_params_n, self.request_params_max_tokens,
+                  self.request_prefill_kv_computed_tokens, self.iteration_tokens):
+            if len(h.counts) != len(h.bounds) + 1:  # the renderer zips them
+                raise ValueError("EngineStats: a histogram needs len(bounds) + 1 counts")
 
 
 # -- links: one tagged union and one decoder per socket direction ----------------------------

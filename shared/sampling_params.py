@@ -16,6 +16,8 @@ follow OpenAI / vLLM so that users of those engines get what they expect:
   computed in the prefill's forward pass; such a request takes no prefix-cache hit.
 - ``logit_bias`` (OpenAI's) adds its values to those tokens' logits before sampling
   (before penalties and temperature); reported logprobs do not see it.
+- ``truncate_prompt_tokens = k`` keeps the prompt's last k tokens (the frontend cuts it
+  after tokenizing; -1: the most that leaves room for one output token).
 
 ``SamplingParams`` is a ``msgspec.Struct`` nested in ``AddRequest``, ``NewRequest`` and
 ``GenerateRequest`` (``shared/protocol.py``): an array of its fields in declaration order
@@ -124,6 +126,9 @@ class SamplingParams(
     prompt_logprobs: int | None = None  # logprobs of every prompt token, with top-k alternatives
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
     structured_outputs: StructuredOutputsParams | None = None
+    # appended for issue 24: keep only the prompt's last k tokens (vLLM's; -1: as many as
+    # max_model_len leaves room for, one output token at least); applied by the frontend
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -179,6 +184,11 @@ class SamplingParams(
                 if not 0 <= value <= MAX_LOGPROBS:
                     raise SamplingParamsError(name, f"must be in [0, {MAX_LOGPROBS}], got {value}")
         self._validate_logit_bias()
+        if self.truncate_prompt_tokens is not None:
+            k = _integer("truncate_prompt_tokens", self.truncate_prompt_tokens)
+            if k < -1 or k == 0:
+                raise SamplingParamsError("truncate_prompt_tokens",
+                                          f"must be -1 or >= 1, got {k}")
 
     def _validate_logit_bias(self) -> None:
         bias = self.logit_bias

@@ -9,10 +9,17 @@ blocks shared by the children of an ``n > 1`` request, or by prefix-cache hits, 
 held once per holder). A block with ``ref_count == 0`` sits in the free queue.
 
 Prefix caching: once a block is full and its K/V are computed, it gets a hash chained
-over ``(parent block's hash, its token ids)`` and enters ``cached`` (hash -> block).
-When it is freed it keeps its hash and contents, so a later sequence with the same
-prefix takes it back (a *hit*, confirmed by comparing token ids, not the hash alone)
-until the block is handed out again for new tokens (*evicted*).
+over ``(parent block's hash, its token ids)`` (``hash_block``: 64 bits of SHA-256, the
+same in every process) and enters ``cached`` (hash -> block). When it is freed it keeps
+its hash and contents, so a later sequence with the same prefix takes it back (a *hit*,
+confirmed by comparing token ids, not the hash alone) until the block is handed out
+again for new tokens (*evicted*).
+
+KV events (``record_events``): every change of ``cached`` is recorded in vLLM's event
+format (``services/scheduler/kv_events.py``) for ``take_events``: a ``BlockStored`` per
+run of consecutive blocks a sequence registers, a ``BlockRemoved`` when a registered
+block is evicted, ``AllBlocksCleared`` on ``reset_prefix_cache``. Replaying them gives
+exactly the keys of ``cached``.
 
 The free queue is also the LRU eviction order: blocks are taken from its front;
 freed blocks that carry a hash go to its back, a sequence's blocks tail-first (so
@@ -28,9 +35,20 @@ Invariants (``check_invariants``):
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from functools import cache
+
+from services.scheduler.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    KVCacheEvent,
+    removed,
+    stored,
+)
 
 
 class BlockAccountingError(AssertionError):
@@ -53,12 +71,32 @@ class _SeqBlocks:
     last_hash: int | None = None  # hash of block num_hashed - 1
 
 
+# the parent of a sequence's first block, in the hash input (never published: vLLM's
+# events give such a block's parent as None)
+ROOT_HASH = int.from_bytes(hashlib.sha256(b"pagoda kv block hash v1").digest()[-8:], "big")
+
+
+@cache
+def _packer(num_tokens: int) -> struct.Struct:
+    return struct.Struct(f"<Q{num_tokens}I")
+
+
 def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    return hash((parent_hash, token_ids))
+    """The block's hash: an unsigned 64-bit int, the last 8 bytes (big-endian) of
+    SHA-256 over the parent's hash (``ROOT_HASH`` for a first block) as a little-endian
+    uint64, followed by each token id as a little-endian uint32.
+
+    Stable across processes and restarts (Python's ``hash`` is salted per process), so
+    it can be published (KV events) and compared between engines. ~0.7 us a block.
+    """
+    data = _packer(len(token_ids)).pack(ROOT_HASH if parent_hash is None else parent_hash,
+                                        *token_ids)
+    return int.from_bytes(hashlib.sha256(data).digest()[-8:], "big")
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 record_events: bool = False) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
@@ -69,6 +107,8 @@ class BlockManager:
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[int, int] = {}  # block hash -> block_id
         self.seqs: dict[Hashable, _SeqBlocks] = {}
+        # changes of `cached` since the last take_events (None: not recorded)
+        self._events: list[KVCacheEvent] | None = [] if record_events else None
 
     # -- queries ---------------------------------------------------------------------
     @property
@@ -158,15 +198,30 @@ class BlockManager:
         bs = self.block_size
         num_full = min(num_computed_tokens // bs, len(seq.block_ids))
         parent = seq.last_hash
+        run: list[KVBlock] = []  # blocks registered just now, consecutive: one event
+        run_parent: int | None = None
         for i in range(seq.num_hashed, num_full):
-            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
-            h = hash_block(parent, tokens)
             block = self.blocks[seq.block_ids[i]]
-            if block.block_hash is None:
+            if block.block_hash is not None:  # shared (a hit, a sibling's): hashed already
+                h = block.block_hash
+            else:
+                tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+                h = hash_block(parent, tokens)
                 block.block_hash, block.token_ids = h, tokens
                 # a twin computed at the same time may already be cached: keep the first
-                self.cached.setdefault(h, block.block_id)
+                if (self.cached.setdefault(h, block.block_id) == block.block_id
+                        and self._events is not None):
+                    if not run:
+                        run_parent = parent
+                    run.append(block)
+                    parent = h
+                    continue
+            if run:
+                self._record_stored(run, run_parent)
+                run = []
             parent = h
+        if run:
+            self._record_stored(run, run_parent)
         if num_full > seq.num_hashed:
             seq.num_hashed, seq.last_hash = num_full, parent
 
@@ -192,6 +247,15 @@ class BlockManager:
         self.cached.clear()
         for seq in self.seqs.values():
             seq.num_hashed, seq.last_hash = 0, None
+        if self._events is not None:
+            self._events.append(AllBlocksCleared())
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The KV events recorded since the last call, oldest first (empty when off)."""
+        if not self._events:
+            return []
+        events, self._events = self._events, []
+        return events
 
     # -- internals -------------------------------------------------------------------
     def _take(self, block_id: int) -> None:
@@ -206,9 +270,27 @@ class BlockManager:
         if block.block_hash is not None:  # evict: its old contents are about to be overwritten
             if self.cached.get(block.block_hash) == block_id:
                 del self.cached[block.block_hash]
+                if self._events is not None:
+                    self._record_removed(block.block_hash)
             block.block_hash, block.token_ids = None, None
         block.ref_count = 1
         return block_id
+
+    def _record_stored(self, run: list[KVBlock], parent: int | None) -> None:
+        assert self._events is not None
+        tokens: list[int] = []
+        for block in run:
+            tokens += block.token_ids or ()
+        self._events.append(stored([b.block_hash for b in run if b.block_hash is not None],
+                                   parent, tokens, self.block_size))
+
+    def _record_removed(self, block_hash: int) -> None:
+        assert self._events is not None
+        last = self._events[-1] if self._events else None
+        if isinstance(last, BlockRemoved):  # evictions in a row: one event, as they come
+            last.block_hashes.append(block_hash)
+        else:
+            self._events.append(removed([block_hash]))
 
     # -- invariants ------------------------------------------------------------------
     def check_invariants(self) -> None:

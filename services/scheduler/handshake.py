@@ -8,6 +8,8 @@ Sockets (addresses in ``shared.config.Endpoints``):
   events tell the loop when a worker connects or goes away.
 - ``results``: PULL (binds); WorkerReady from every rank at start-up, then StepResult
   from rank 0.
+- ``kv_events`` (only with ``--kv-events-endpoint``): an XPUB for vLLM-format KV cache
+  events to gateways (``services/scheduler/kv_events.py``); out only.
 
 ``wait_for_workers`` collects every rank's ``WorkerReady`` and step subscription and
 builds the ``Scheduler`` from them, so the step loop (``services/scheduler/loop.py``)
@@ -27,6 +29,7 @@ from typing import Any
 
 import zmq
 
+from services.scheduler.kv_events import KVEventPublisher
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
 from services.scheduler.structured_output import StructuredOutputManager
 from shared.codec import MalformedFrameCounter, safe_decode
@@ -47,7 +50,8 @@ class SchedulerSockets:
     frontends: zmq.Socket[Any]
     steps: zmq.Socket[Any]
     results: zmq.Socket[Any]
-    addresses: tuple[str, ...]
+    addresses: tuple[str, ...]  # the bound ones, whose ipc files we remove
+    kv_events: KVEventPublisher | None = None
 
     @classmethod
     def bind(cls, config: PagodaConfig) -> SchedulerSockets:
@@ -61,17 +65,30 @@ class SchedulerSockets:
             for kind, address in ((zmq.ROUTER, ep.scheduler_frontend), (zmq.XPUB, ep.scheduler_step),
                                   (zmq.PULL, ep.scheduler_result)):
                 opened.append(make_socket(ctx, kind, address, **opts))
+            addresses: tuple[str, ...] = (ep.scheduler_frontend, ep.scheduler_step,
+                                          ep.scheduler_result)
+            kv_events = None
+            if proc.kv_events_endpoint is not None:
+                kv_events = KVEventPublisher.open(
+                    ctx, proc.kv_events_endpoint, topic=proc.kv_events_topic,
+                    encoding=proc.kv_events_encoding, hwm=proc.socket_hwm,
+                    allow_wildcard=proc.allow_wildcard_bind)
+                opened.append(kv_events.sock)
+                if proc.kv_events_endpoint.startswith("ipc://"):
+                    addresses += (proc.kv_events_endpoint,)
         except BaseException:
             for sock in opened:
                 sock.close(linger=0)
             ctx.term()
             raise
-        addresses = (ep.scheduler_frontend, ep.scheduler_step, ep.scheduler_result)
-        return cls(ctx, *opened, addresses=addresses)
+        frontends, steps, results = opened[:3]
+        return cls(ctx, frontends, steps, results, addresses=addresses, kv_events=kv_events)
 
     def close(self) -> None:
         for sock in (self.frontends, self.steps, self.results):
             sock.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
         self.ctx.term()
         # libzmq leaves ipc:// socket files behind; the binder removes its own
         for address in self.addresses:
@@ -118,6 +135,7 @@ def wait_for_workers(
         eos_token_ids=tuple(first.eos_token_ids),
         # tests run the stack with PAGODA_TESTING=1: a broken invariant is fatal there
         strict_invariants=config.process.testing,
+        enable_kv_events=sockets.kv_events is not None,
     ), structured_output=structured_output)
     # the block pool and request table are long-lived: keep them out of the
     # collector's generations so a full collection does not stall a step

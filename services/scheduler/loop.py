@@ -13,6 +13,9 @@ answered at once, and an ``AbortRequest`` (or a vanished frontend's requests) is
 and applied just before the step's ``update``, so the aborted sequence reports no
 token of that step and its blocks are freed while no step uses them.
 
+KV cache events (``--kv-events-endpoint``): after every step's ``update`` the block
+manager's recorded events go out as one vLLM-format batch (``kv_events.py``), NOBLOCK.
+
 Forward-progress watchdog: a step with no result for ``step_timeout_s`` means a
 wedged or dead worker. Then, as when a worker's step subscription goes away, every
 request fails with ``engine_error``, every frontend that heartbeats is told (an
@@ -30,6 +33,7 @@ from dataclasses import dataclass
 import zmq
 
 from services.scheduler.handshake import POLL_MS, EngineDeadError, SchedulerSockets
+from services.scheduler.metrics import EngineInfo
 from services.scheduler.request_router import RequestRouter, internal_id
 from services.scheduler.scheduler import RequestRejected, Scheduler
 from shared.codec import MalformedFrameCounter, encode, safe_decode
@@ -69,6 +73,9 @@ class SchedulerLoop:
         self.counter = counter
         self.stop = stop
         self.router = RequestRouter()
+        self.kv_events = sockets.kv_events  # None: not published
+        self.info = EngineInfo(model_name=served_model_name(config),
+                               cache_dtype=config.engine.dtype)
         self.num_workers = config.engine.tensor_parallel_size
         self.step_timeout_s = config.process.step_timeout_s
         self._subscribers = self.num_workers  # the handshake saw every rank subscribe
@@ -158,6 +165,8 @@ class SchedulerLoop:
         for iids, index in deferred:
             outputs += sched.abort_request(iids, index)
         outputs += sched.update(batch, result)
+        if self.kv_events is not None:  # this step's prefix-cache changes, one batch
+            self.kv_events.publish(sched.block_manager.take_events())
         self._send_outputs(outputs)
         if not sched.has_unfinished_requests():
             self._log_idle()
@@ -247,7 +256,7 @@ class SchedulerLoop:
 
     def engine_stats(self) -> EngineStats:
         sched = self.scheduler
-        return sched.metrics.snapshot(sched.stats(), self.counter)
+        return sched.metrics.snapshot(sched.stats(), self.counter, self.info, self.kv_events)
 
     def _drop_silent_frontends(self) -> None:
         """A frontend that heartbeats and then falls silent is gone (killed, partitioned):
@@ -312,3 +321,10 @@ class SchedulerLoop:
             self.sockets.frontends.send_multipart([identity, encode(msg)], flags=zmq.NOBLOCK)
         except zmq.ZMQError:
             pass  # that frontend is gone too
+
+
+def served_model_name(config: PagodaConfig) -> str:
+    """The ``model_name`` label of vLLM's metrics: the first served name (as the frontends
+    answer to), else the model setting as given."""
+    names = [n.strip() for n in (config.process.served_model_name or "").split(",") if n.strip()]
+    return names[0] if names else config.engine.model

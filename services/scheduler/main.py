@@ -1,7 +1,8 @@
 """The scheduler process: ``python -m services.scheduler.main [flags / PAGODA_* env]``.
 
 Binds its three sockets, waits for every worker's ready handshake and builds the
-scheduler core from it (``handshake.py``), reports ready to its parent (``--ready-fd``,
+scheduler core from it (``handshake.py``; with ``--kv-events-endpoint`` also the KV
+events publisher, closed with the other sockets), reports ready to its parent (``--ready-fd``,
 used by ``pagoda serve``), then runs the step loop (``loop.py``) until SIGTERM/SIGINT.
 On shutdown every request still held is answered with a typed error, so no client
 waits forever; when the engine dies the process exits 1.
@@ -44,11 +45,18 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         log.info("scheduler ready: %d KV blocks, max_model_len %d", sched.config.num_blocks,
                  sched.config.max_model_len)
+        if sockets.kv_events is not None:
+            proc = config.process
+            log.info("KV cache events on %s (topic %r, %s encoding)", proc.kv_events_endpoint,
+                     proc.kv_events_topic, proc.kv_events_encoding)
         if args.ready_fd is not None:
             report_ready(args.ready_fd, role="scheduler", num_kv_blocks=sched.config.num_blocks,
                          max_model_len=sched.config.max_model_len)
         return SchedulerLoop(sched, sockets, config, counter, stop).run()
     finally:
+        if sockets.kv_events is not None:
+            log.info("KV cache events: %d batches sent, %d dropped", sockets.kv_events.published,
+                     sockets.kv_events.dropped)
         sockets.close()
 
 

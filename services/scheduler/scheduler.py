@@ -80,6 +80,8 @@ class SchedulerConfig:
     eos_token_ids: tuple[int, ...] = ()
     # check block accounting whenever the scheduler goes idle: raise (tests) or count
     strict_invariants: bool = False
+    # record the prefix cache's changes as vLLM KV events (block_manager.take_events)
+    enable_kv_events: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -90,6 +92,7 @@ class SchedulerConfig:
     def from_settings(
         cls, engine: EngineSettings, *, num_blocks: int, max_model_len: int, vocab_size: int,
         eos_token_ids: Iterable[int] = (), strict_invariants: bool = False,
+        enable_kv_events: bool = False,
     ) -> SchedulerConfig:
         """The one place the scheduler's config is derived: the engine settings, plus what
         the workers report (KV pool size, max_model_len, vocab, EOS ids; the smallest over
@@ -99,6 +102,7 @@ class SchedulerConfig:
             max_num_batched_tokens=engine.max_num_batched_tokens, max_model_len=max_model_len,
             vocab_size=vocab_size, enable_prefix_caching=engine.enable_prefix_caching,
             eos_token_ids=tuple(eos_token_ids), strict_invariants=strict_invariants,
+            enable_kv_events=enable_kv_events,
         )
 
 
@@ -114,8 +118,9 @@ class Scheduler:
         # (request id, code, message) of requests that failed after admission (a grammar
         # that did not compile): the caller answers each with a RequestError (take_errors)
         self._errors: list[tuple[str, str, str]] = []
-        self.metrics = EngineMetrics()
-        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.metrics = EngineMetrics(config.max_model_len)
+        self.block_manager = BlockManager(config.num_blocks, config.block_size,
+                                          config.enable_prefix_caching, config.enable_kv_events)
         self.requests: dict[str, list[Request]] = {}  # request_id -> its children
         self.running: list[Request] = []  # sorted by order_key: oldest first
         self.waiting: list[Request] = []  # sorted by order_key
@@ -433,6 +438,7 @@ class Scheduler:
             if req.prompt_logprobs is not None:  # its first token: the prompt is all scored
                 output.prompt_logprobs = self._take_prompt_logprobs(req)
             outputs.append(output)
+        metrics.on_step_done()
         return outputs
 
     @staticmethod
@@ -456,7 +462,7 @@ class Scheduler:
         last = children is not None and all(c.status.finished for c in children)
         if last:
             del self.requests[req.request_id]
-        self.metrics.on_finished(req, self.clock(), last)
+        self.metrics.on_finished(req, self.clock(), children if last else None)
 
     def _output(self, req: Request, tokens: list[int], logprobs: list) -> EngineOutput:  # type: ignore[type-arg]
         return EngineOutput(
@@ -541,6 +547,10 @@ class Scheduler:
             num_kv_blocks=self.config.num_blocks,
             prefix_cache_queries=self._prefix_queries, prefix_cache_hits=self._prefix_hits,
             num_preemptions=self._num_preemptions, invariant_failures=self._invariant_failures,
+            block_size=self.config.block_size,
+            enable_prefix_caching=self.config.enable_prefix_caching,
+            waiting_deferred=sum(r.status is RequestStatus.WAITING_FOR_GRAMMAR
+                                 for r in self.waiting),
         )
 
     def check_invariants(self) -> None:

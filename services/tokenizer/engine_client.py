@@ -13,6 +13,12 @@ counted) and hands each step's outputs straight to the output processor, which p
 them into their client requests' sinks; samples a stop string ended are aborted
 upstream from here. A ``RequestError`` fails its request's sink; an ``engine_error``
 (per request, or engine-wide with an empty id) marks the engine dead for /health.
+
+The scheduler answers every heartbeat (1 s apart) with ``EngineStats``, even mid-step, so
+silence means it is gone (killed, hung, unreachable): after ``SCHEDULER_SILENCE_S``
+without a word while requests are in flight, every one of them fails with
+``engine_error`` here (its client gets a 500, or an SSE error event then ``[DONE]``)
+instead of waiting for outputs that will never come.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from shared.sampling_params import SamplingParams
 
 log = logging.getLogger("pagoda.frontend.engine")
 HEARTBEAT_S = 1.0
+SCHEDULER_SILENCE_S = 10.0  # ten missed heartbeat answers: the scheduler is gone
 
 
 class EngineClient:
@@ -61,11 +68,14 @@ class EngineClient:
         hwm: int | None = None,
         stats: EngineStatsView | None = None,
         heartbeat_s: float = HEARTBEAT_S,
+        silence_s: float = SCHEDULER_SILENCE_S,
     ) -> None:
         self.frontend_id = frontend_id
         self.stats = stats
         self.outputs = OutputProcessor()
         self._heartbeat_s = heartbeat_s
+        self._silence_s = silence_s
+        self._last_heard = time.monotonic()  # the scheduler's last message (or our start)
         self._heartbeat_task: asyncio.Task[None] | None = None
         opts: dict[str, Any] = {} if hwm is None else {"sndhwm": hwm, "rcvhwm": hwm}
         self._sock = make_socket(ctx, zmq.DEALER, address, identity=frontend_id.encode(), **opts)
@@ -136,6 +146,7 @@ class EngineClient:
         /metrics) and drops the requests of a frontend that falls silent."""
         beat = encode(Heartbeat(self.frontend_id))
         while True:
+            await self._check_silence()
             try:
                 await self._sock.send(beat, flags=zmq.NOBLOCK)
             except zmq.Again:
@@ -145,6 +156,17 @@ class EngineClient:
                     return
                 log.warning("heartbeat send failed: %s", e)
             await asyncio.sleep(self._heartbeat_s)  # a period, not a synchronisation
+
+    async def _check_silence(self) -> None:
+        silent = time.monotonic() - self._last_heard
+        if silent <= self._silence_s or not len(self.outputs):
+            return
+        why = f"the scheduler has not answered for {silent:.0f} s"
+        failed = self.outputs.fail_all("engine_error", why)
+        log.error("%s: failed the %d request(s) in flight", why, len(failed))
+        if failed:  # aborts for a scheduler that may come back, so it frees their blocks
+            with contextlib.suppress(zmq.ZMQError):
+                await self._sock.send(encode(AbortRequest(failed)), flags=zmq.NOBLOCK)
 
     # -- receive --------------------------------------------------------------------------
     async def _receive_loop(self) -> None:
@@ -158,6 +180,7 @@ class EngineClient:
                     return
                 log.warning("scheduler link receive failed: %s", e)
                 continue
+            self._last_heard = time.monotonic()
             msg = safe_decode(frames, SCHEDULER_TO_FRONTEND, self._counter)
             if msg is not None:
                 try:

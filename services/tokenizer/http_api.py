@@ -20,6 +20,7 @@ import uvicorn
 from services.tokenizer.frontend_core import FrontendCore
 from services.tokenizer.http_app import build_app
 from services.tokenizer.http_requests import HttpRequests
+from services.tokenizer.responses_store import ResponsesStore
 from shared.config import ConfigError, PagodaConfig
 
 LISTEN_BACKLOG = 2048
@@ -54,7 +55,8 @@ class HttpApi:
                 f"refusing to serve HTTP on {proc.http_host}: every interface; use 127.0.0.1 or "
                 "allow it explicitly (PAGODA_ALLOW_WILDCARD_BIND=1) behind a firewall or proxy")
         self._sock = bind_reuseport(proc.http_host, proc.http_port)
-        app = build_app(self.requests, proc.http_max_body_bytes)
+        store = ResponsesStore(proc.responses_max_stored, proc.responses_ttl_s)
+        app = build_app(self.requests, proc.http_max_body_bytes, store, api_key=proc.api_key)
         self._server = uvicorn.Server(uvicorn.Config(
             app, lifespan="off", log_config=None, access_log=False, ws="none",
             timeout_graceful_shutdown=GRACEFUL_CLOSE_S, server_header=False))

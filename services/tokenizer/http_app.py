@@ -1,6 +1,10 @@
 """The routes of the HTTP API (FastAPI; OpenAPI page at /docs, schema at /openapi.json).
 
 - ``POST /v1/completions``, ``POST /v1/chat/completions``: OpenAI's, streaming or not;
+- ``POST /v1/responses``, ``GET|DELETE /v1/responses/{id}``: OpenAI's Responses API
+  (``responses_api.py``; stored responses are this process's own);
+- ``POST /v1/messages``, ``POST /v1/messages/count_tokens``: Anthropic's Messages API
+  (``anthropic_api.py``; errors in Anthropic's shape);
 - ``GET /v1/models``: the one model this server runs;
 - ``POST /tokenize``, ``POST /detokenize``: vLLM's shapes;
 - ``GET /health``: 200 ``ok``, or 503 with the reason (draining, engine unreachable);
@@ -21,6 +25,8 @@ from typing import Any
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 
+from services.tokenizer.anthropic_api import install_anthropic_routes
+from services.tokenizer.http_auth import ApiKeyMiddleware
 from services.tokenizer.http_errors import (
     BodyLimitMiddleware,
     bad_request,
@@ -39,13 +45,22 @@ from services.tokenizer.http_protocol import (
 from services.tokenizer.http_requests import HttpRequests
 from services.tokenizer.http_responses import ResponseBuilder
 from services.tokenizer.input_processor import InputProcessor, InvalidRequest, PromptInput
+from services.tokenizer.responses_api import install_responses_routes
+from services.tokenizer.responses_store import ResponsesStore
+from shared.config import ProcessSettings
 from shared.sampling_params import SamplingParams
 
 
-def build_app(api: HttpRequests, max_body_bytes: int) -> FastAPI:
+def build_app(api: HttpRequests, max_body_bytes: int,
+              responses_store: ResponsesStore | None = None,
+              api_key: str | None = None) -> FastAPI:
+    """The app; ``responses_store`` (default: the default settings' size and TTL) keeps the
+    Responses API's finished responses."""
     app = FastAPI(title="pagoda", summary="OpenAI-compatible API of a pagoda frontend")
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
+    if api_key is not None:  # added last: the outermost, so it runs before the body limit
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     created = int(time.time())
     core = api.core
     processor, tokenizer, model_names = core.processor, core.tokenizer, list(core.served_model_names)
@@ -66,8 +81,11 @@ def build_app(api: HttpRequests, max_body_bytes: int) -> FastAPI:
                                   include_usage=body.include_usage,
                                   best_of=prompts[0].sampling_params.n,
                                   tokens_as_ids=bool(body.return_tokens_as_token_ids),
-                                  generates=body.generates)
-        return await api.generate(request, prompts, builder, bool(body.stream))
+                                  generates=body.generates,
+                                  return_token_ids=bool(body.return_token_ids),
+                                  continuous_usage=body.continuous_usage)
+        return await api.generate(request, prompts, builder, bool(body.stream),
+                                  on_prompts=builder.set_prompts)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -77,8 +95,17 @@ def build_app(api: HttpRequests, max_body_bytes: int) -> FastAPI:
                                   prompt.sampling_params.n, logprobs=bool(body.logprobs),
                                   include_usage=body.include_usage,
                                   tokens_as_ids=bool(body.return_tokens_as_token_ids),
-                                  tool_calls=tool_calls)
-        return await api.generate(request, [prompt], builder, bool(body.stream))
+                                  tool_calls=tool_calls, echo=[body.echo_text()],
+                                  return_token_ids=bool(body.return_token_ids),
+                                  continuous_usage=body.continuous_usage)
+        return await api.generate(request, [prompt], builder, bool(body.stream),
+                                  on_prompts=builder.set_prompts)
+
+    if responses_store is None:  # (an empty store is falsy: it has a length)
+        responses_store = ResponsesStore(ProcessSettings.responses_max_stored,
+                                         ProcessSettings.responses_ttl_s)
+    install_responses_routes(app, api, model_of, responses_store)
+    install_anthropic_routes(app, api)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -94,16 +121,22 @@ def build_app(api: HttpRequests, max_body_bytes: int) -> FastAPI:
             raise bad_request("exactly one of prompt and messages must be given")
         try:
             if body.prompt is not None:
-                token_ids = processor.tokenize(body.prompt)
+                token_ids = processor.tokenize(body.prompt, body.add_special_tokens is not False)
             else:
                 chat = PromptInput(SamplingParams(), messages=chat_turns(body.messages or []),
                                    add_generation_prompt=body.add_generation_prompt,
-                                   tools=template_tools(body.tools))
-                token_ids = processor.tokenize(processor.render_chat(chat))
+                                   tools=template_tools(body.tools),
+                                   continue_final_message=body.continue_final_message,
+                                   chat_template_kwargs=body.chat_template_kwargs)
+                token_ids = processor.tokenize(processor.render_chat(chat),
+                                               bool(body.add_special_tokens))
         except InvalidRequest as e:
             raise bad_request(str(e)) from None
+        token_strs = None
+        if body.return_token_strs and tokenizer is not None:
+            token_strs = tokenizer.convert_ids_to_tokens(token_ids)
         return {"count": len(token_ids), "max_model_len": core.max_model_len,
-                "tokens": token_ids, "token_strs": None}
+                "tokens": token_ids, "token_strs": token_strs}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:

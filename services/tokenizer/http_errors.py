@@ -3,7 +3,8 @@
 Every error leaves as ``{"error": {"message", "type", "param", "code"}}``
 (RELIABILITY.md): 400 ``invalid_request_error`` for anything the client got wrong
 (FastAPI's 422 validation answer and its invalid-JSON answer are overridden), 404 for
-an unknown model or path, 413 for a body over ``http_max_body_bytes``, 503 with
+an unknown model or path, 413 for a body over ``http_max_body_bytes``, 431 for headers
+over 100 fields or 32 KiB, 503 with
 ``Retry-After`` when the scheduler is overloaded or this frontend shuts down, 500
 ``engine_error`` when the engine failed a request. Nothing else may produce a 500:
 an unexpected exception is logged and answered as ``engine_error`` too.
@@ -122,8 +123,13 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(Exception, on_unexpected)
 
 
+MAX_HEADERS = 100  # header fields in one request
+MAX_HEADER_BYTES = 32 * 1024  # names and values together (uvicorn's httptools sets none)
+
+
 class BodyLimitMiddleware:
-    """413 for a request body over ``max_bytes``, without ever holding more than that.
+    """431 for too many or too large headers; 413 for a request body over ``max_bytes``,
+    without ever holding more than that.
 
     A declared Content-Length over the limit is refused before reading anything; a
     chunked body is counted as it arrives and refused when it crosses the limit (the
@@ -138,6 +144,12 @@ class BodyLimitMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
+            return
+        headers = scope.get("headers", ())
+        if len(headers) > MAX_HEADERS or sum(len(k) + len(v) for k, v in headers) > MAX_HEADER_BYTES:
+            await ApiError(431, f"the request headers are over the limit ({MAX_HEADERS} fields, "
+                           f"{MAX_HEADER_BYTES} bytes)", code="headers_too_large").response()(
+                scope, receive, send)
             return
         limit = self.max_bytes
         too_large = f"the request body is over the limit of {limit} bytes"

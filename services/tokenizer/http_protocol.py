@@ -13,7 +13,7 @@ import json
 from typing import Any, Literal
 
 import msgspec
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from services.tokenizer.http_errors import ApiError, bad_request
 from services.tokenizer.input_processor import ChatTurn, InvalidRequest, PromptInput, chat_turn
@@ -34,12 +34,57 @@ MAX_PROMPTS = 256  # prompts in one completions request
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default; chat defaults to the room left
 
 
+MAX_MESSAGES = 2048  # messages in one chat request
+
+
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    # strict: no "10" -> 10, true -> 1 or 2.0 -> 2 (an int where a float goes is fine)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
+
+
+def lone_surrogate_at(value: Any, path: str = "") -> str | None:
+    """Where in parsed JSON a string (or key) holds a lone surrogate (JSON's ``"\\ud800"``
+    parses, but is no text: it cannot be encoded, tokenized or sent), or None."""
+    if isinstance(value, str):
+        if value.isascii():
+            return None
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            where = f"{path}.{key}" if path else str(key)
+            if lone_surrogate_at(key, "") is not None:
+                return path or "body"
+            if (found := lone_surrogate_at(item, where)) is not None:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            if (found := lone_surrogate_at(item, f"{path}[{i}]")) is not None:
+                return found
+    return None
+
+
+class _Request(_Body):
+    """A whole request body: every string in it must be text (no lone surrogates)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        where = lone_surrogate_at(data)
+        if where is not None:
+            # an ApiError, not a ValueError: the 400 names the field, and no error message
+            # ever echoes the surrogate (it could not be encoded into the answer)
+            raise bad_request(f"{where}: contains a lone surrogate (\\ud800-\\udfff), which "
+                              "is not text", where.split(".")[0].split("[")[0])
+        return data
 
 
 class StreamOptions(_Body):
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM: usage on every chunk too
 
 
 class JsonSchemaFormat(_Body):
@@ -73,7 +118,7 @@ class StructuredOutputsBody(_Body):
                                        grammar=self.grammar, json_object=bool(self.json_object))
 
 
-class _Sampling(_Body):
+class _Sampling(_Request):
     """The parameters both generation endpoints take; None means the default."""
 
     model: str | None = None
@@ -94,6 +139,17 @@ class _Sampling(_Body):
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
     return_tokens_as_token_ids: bool | None = None  # vLLM: logprobs name "token_id:<id>"
     user: str | None = None  # accepted (OpenAI clients send it), not used
+    # vLLM's extensions
+    return_token_ids: bool | None = None  # prompt_token_ids and token_ids in the response
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: all that fit)
+    add_special_tokens: bool | None = None  # None: yes for completions, no for chat
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None  # False: special tokens stay in the text
+    # SGLang's extras, which its model gateway adds to every request it forwards
+    no_stop_trim: bool | None = None  # true: the stop string stays in the text
+    return_hidden_states: bool | None = None  # false only (hidden states are not served)
+    separate_reasoning: bool | None = None  # accepted: no reasoning parser, nothing to split
+    stream_reasoning: bool | None = None
     # structured output: OpenAI's response_format, vLLM's structured_outputs, or one of the
     # guided_* names vLLM had until 0.12 (accepted for older clients); at most one of them
     response_format: ResponseFormat | None = None
@@ -109,6 +165,18 @@ class _Sampling(_Body):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and bool(self.stream_options
+                                           and self.stream_options.continuous_usage_stats)
+
+    def _prompt_options(self) -> dict[str, Any]:
+        """PromptInput's fields this body sets (None: the default)."""
+        options: dict[str, Any] = {"add_special_tokens": self.add_special_tokens}
+        if self.skip_special_tokens is not None:
+            options["skip_special_tokens"] = self.skip_special_tokens
+        return options
+
     def _params(self, max_tokens: int | None, logprobs: int | None,
                 **extra: Any) -> SamplingParams:
         values = {
@@ -119,11 +187,16 @@ class _Sampling(_Body):
             "repetition_penalty": self.repetition_penalty, "stop_token_ids": self.stop_token_ids,
             "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens, "logprobs": logprobs,
             "logit_bias": _logit_bias(self.logit_bias),
-            "structured_outputs": self._structured_outputs(), **extra,
+            "structured_outputs": self._structured_outputs(),
+            "truncate_prompt_tokens": self.truncate_prompt_tokens,
+            "include_stop_str_in_output": self.include_stop_str_in_output or self.no_stop_trim,
+            **extra,
         }
         given = {k: v for k, v in values.items() if v is not None}
         if self.stop is not None:
             given["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
+        if self.return_hidden_states:
+            raise bad_request("return_hidden_states is not supported", "return_hidden_states")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed with stream: true", "stream_options")
         try:
@@ -222,7 +295,8 @@ class CompletionRequest(_Sampling):
     def prompt_inputs(self) -> list[PromptInput]:
         params = self.sampling_params()
         return [PromptInput(params, prompt=p if isinstance(p, str) else None,
-                            prompt_token_ids=None if isinstance(p, str) else p)
+                            prompt_token_ids=None if isinstance(p, str) else p,
+                            **self._prompt_options())
                 for p in self.prompts()]
 
 
@@ -266,7 +340,7 @@ class ToolCallBody(_Body):
 
 
 class ChatMessageBody(_Body):
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool"]  # OpenAI's roles
     content: str | list[TextPart] | None = None  # None: an assistant turn with tool_calls
     tool_calls: list[ToolCallBody] | None = None  # role "assistant"
     tool_call_id: str | None = None  # role "tool": the call this answers
@@ -287,13 +361,25 @@ class ChatMessageBody(_Body):
 
 
 class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessageBody]
+    messages: list[ChatMessageBody] = Field(max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
     tools: list[ToolBody] | None = None
     tool_choice: Literal["none", "auto", "required"] | ToolChoiceBody | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's chat extensions
+    echo: bool | None = False  # the answer starts with the last message, if the assistant's
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last (assistant) message is continued
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def echo_text(self) -> str:
+        """What ``echo`` puts before the answer: the last message's text when it is the
+        assistant's (the role of the answer), else nothing (vLLM's rule)."""
+        if not self.echo or not self.messages or self.messages[-1].role != "assistant":
+            return ""
+        return self.messages[-1].text() or ""
 
     def sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
@@ -311,7 +397,11 @@ class ChatCompletionRequest(_Sampling):
         if not self.messages:
             raise bad_request("messages must not be empty", "messages")
         return PromptInput(self.sampling_params(), messages=chat_turns(self.messages),
-                           tools=template_tools(self.tools))
+                           tools=template_tools(self.tools),
+                           add_generation_prompt=self.add_generation_prompt,
+                           continue_final_message=self.continue_final_message,
+                           chat_template_kwargs=self.chat_template_kwargs,
+                           **self._prompt_options())
 
     def tool_input(self, calling: ToolCalling) -> tuple[PromptInput, ToolCallOutput | None]:
         """The prompt as the engine runs it under ``tool_choice``, and what turns its
@@ -325,14 +415,18 @@ class ChatCompletionRequest(_Sampling):
             raise bad_request(str(e), e.param) from None
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(_Request):
     """vLLM's /tokenize: a prompt, or chat messages through the template."""
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessageBody] | None = None
+    messages: list[ChatMessageBody] | None = Field(default=None, max_length=MAX_MESSAGES)
     add_generation_prompt: bool = True
     tools: list[ToolBody] | None = None  # rendered by the chat template, as in chat requests
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool | None = None  # None: yes for a prompt, no for messages
+    return_token_strs: bool | None = False  # each token's string, as the tokenizer names it
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
@@ -361,7 +455,7 @@ def template_tools(tools: list[ToolBody] | None) -> list[dict[str, Any]] | None:
     return dicts
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: list[int]
 

@@ -34,7 +34,7 @@ from starlette.types import Receive, Scope, Send
 
 from services.tokenizer.frontend_core import FrontendCore, QueuedRequest
 from services.tokenizer.http_errors import ApiError, bad_request, from_engine, unavailable
-from services.tokenizer.input_processor import InvalidRequest, PromptInput
+from services.tokenizer.input_processor import InvalidRequest, ProcessedPrompt, PromptInput
 from services.tokenizer.output_processor import RequestFailed, SampleOutput
 
 log = logging.getLogger("pagoda.frontend.http")
@@ -135,15 +135,20 @@ class HttpRequests:
 
     async def generate(self, http_request: Request, prompts: list[PromptInput],
                        builder: ResponseShape, stream: bool,
-                       on_whole: Callable[[dict[str, Any]], None] | None = None) -> Response:
-        """Run the prompts; the answer shaped by ``builder`` (``on_whole`` sees a whole
-        body before it goes out: the Responses API stores it)."""
+                       on_whole: Callable[[dict[str, Any]], None] | None = None,
+                       on_prompts: Callable[[list[ProcessedPrompt]], None] | None = None,
+                       ) -> Response:
+        """Run the prompts; the answer shaped by ``builder`` (``on_prompts`` sees the
+        validated prompts, ``on_whole`` a whole body before it goes out: the Responses API
+        stores it)."""
         if not self.accepting:
             raise unavailable("this frontend is shutting down; retry on another", "shutting_down")
         try:
             processed = self.core.validate(prompts)  # all valid before any starts
         except InvalidRequest as e:
             raise bad_request(str(e)) from None
+        if on_prompts is not None:
+            on_prompts(processed)
         num_samples = sum(p.sampling_params.n for p in processed)
         request = QueuedRequest(num_samples)
         response_id = builder.response_id

@@ -27,6 +27,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
 from services.tokenizer.http_errors import ApiError
+from services.tokenizer.input_processor import ProcessedPrompt
 from services.tokenizer.output_processor import SampleOutput
 from services.tokenizer.sse import DONE, sse
 from services.tokenizer.tool_calls import ToolCallOutput
@@ -42,7 +43,8 @@ class ResponseBuilder:
                  n: int, *, echo: Sequence[str] | None = None, logprobs: bool = False,
                  include_usage: bool = False, best_of: int | None = None,
                  tokens_as_ids: bool = False, tool_calls: ToolCallOutput | None = None,
-                 generates: bool = True) -> None:
+                 generates: bool = True, return_token_ids: bool = False,
+                 continuous_usage: bool = False) -> None:
         self.kind, self.response_id, self.model = kind, response_id, model
         self.created = int(time.time())
         self.include_usage = include_usage
@@ -54,10 +56,25 @@ class ResponseBuilder:
         self._tokens_as_ids = tokens_as_ids
         self._tool_calls = tool_calls  # chat with tools: the text parsed into tool calls
         self._generates = generates
+        self._return_token_ids = return_token_ids
+        self._continuous_usage = continuous_usage
+        self._prompt_token_ids: list[list[int]] = []  # per prompt, once validated
         self._prompt_tokens: dict[int, int] = {}  # prompt index -> tokens
         self._output_tokens: dict[tuple[int, int], int] = {}  # (prompt, sample) -> tokens
         self._text_offset: dict[int, int] = {}  # choice index -> chars sent (completions)
         self._started: set[int] = set()  # choices whose first chunk went out
+
+    def set_prompts(self, prompts: Sequence[ProcessedPrompt]) -> None:
+        """The validated prompts (``return_token_ids`` reports their token ids)."""
+        self._prompt_token_ids = [p.prompt_token_ids for p in prompts]
+
+    def _token_ids(self, body: dict[str, Any], out: SampleOutput, prompt: bool) -> dict[str, Any]:
+        """vLLM's ``return_token_ids``: the output's ids, and the prompt's if ``prompt``."""
+        if self._return_token_ids:
+            if prompt:
+                body["prompt_token_ids"] = self._prompt_token_ids[out.prompt_index]
+            body["token_ids"] = list(out.token_ids)
+        return body
 
     def _visible(self, out: SampleOutput) -> SampleOutput:
         """What the client sees of an output (nothing generated, unless it generates)."""
@@ -95,22 +112,28 @@ class ResponseBuilder:
             if self.kind == "completion":
                 if self._echo is not None:
                     text = self._echo[prompt_index] + text
-                choices.append({"index": choice, "text": text,
-                                "logprobs": self._completion_logprobs(choice, out),
-                                "finish_reason": out.finish_reason,
-                                "stop_reason": out.stop_reason})
+                choices.append(self._token_ids({
+                    "index": choice, "text": text,
+                    "logprobs": self._completion_logprobs(choice, out),
+                    "finish_reason": out.finish_reason, "stop_reason": out.stop_reason},
+                    out, prompt=True))
             else:
                 message, finish_reason = {"role": "assistant", "content": text}, out.finish_reason
                 if self._tool_calls is not None:
                     message, finish_reason = self._tool_calls.message(text, finish_reason)
-                choices.append({"index": choice, "message": message,
-                                "logprobs": self._chat_logprobs(out),
-                                "finish_reason": finish_reason,
-                                "stop_reason": out.stop_reason})
+                if self._echo and self._echo[0]:  # chat echo: the message it continues
+                    message["content"] = self._echo[0] + (message["content"] or "")
+                choices.append(self._token_ids({
+                    "index": choice, "message": message, "logprobs": self._chat_logprobs(out),
+                    "finish_reason": finish_reason, "stop_reason": out.stop_reason},
+                    out, prompt=False))
         choices.sort(key=lambda c: c["index"])
-        return {"id": self.response_id, "object": self._object(chunk=False),
+        body = {"id": self.response_id, "object": self._object(chunk=False),
                 "created": self.created, "model": self.model, "choices": choices,
                 "usage": self.usage()}
+        if self._return_token_ids and self.kind == "chat" and self._prompt_token_ids:
+            body["prompt_token_ids"] = self._prompt_token_ids[0]
+        return body
 
     def _keep_best(self, outputs: Sequence[SampleOutput]) -> list[SampleOutput]:
         """Per prompt, the n samples with the highest cumulative logprob, renumbered in
@@ -137,26 +160,31 @@ class ResponseBuilder:
             text = out.text
             if first and self._echo is not None:
                 text = self._echo[prompt_index] + text
-            if not text and out.finish_reason is None and not (self._logprobs and out.token_ids):
+            if not text and out.finish_reason is None and not (
+                    (self._logprobs or self._return_token_ids) and out.token_ids):
                 return []
             body = {"index": choice, "text": text,
                     "logprobs": self._completion_logprobs(choice, out, len(text) - len(out.text)),
                     "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
-            return [self._chunk(body)]
+            return [self._chunk(self._token_ids(body, out, prompt=first))]
         chunks = []
         if first:  # OpenAI's first chat chunk of a choice carries only the role
-            chunks.append(self._chunk({"index": choice,
-                                       "delta": {"role": "assistant", "content": ""},
-                                       "logprobs": None, "finish_reason": None}))
+            echo = self._echo[0] if self._echo else ""
+            chunk = self._chunk({"index": choice, "delta": {"role": "assistant", "content": echo},
+                                 "logprobs": None, "finish_reason": None})
+            if self._return_token_ids and self._prompt_token_ids:
+                chunk["prompt_token_ids"] = self._prompt_token_ids[prompt_index]
+            chunks.append(chunk)
         delta: dict[str, Any] = {"content": out.text} if out.text else {}
         finish_reason = out.finish_reason
         if self._tool_calls is not None:  # content held back, tool_calls deltas
             delta, finish_reason = self._tool_calls.delta(choice, out.text, finish_reason)
-        if delta or finish_reason is not None or (self._logprobs and out.token_ids):
-            chunks.append(self._chunk({"index": choice, "delta": delta,
-                                       "logprobs": self._chat_logprobs(out),
-                                       "finish_reason": finish_reason,
-                                       "stop_reason": out.stop_reason}))
+        if delta or finish_reason is not None or (
+                (self._logprobs or self._return_token_ids) and out.token_ids):
+            chunks.append(self._chunk(self._token_ids({
+                "index": choice, "delta": delta, "logprobs": self._chat_logprobs(out),
+                "finish_reason": finish_reason, "stop_reason": out.stop_reason},
+                out, prompt=False)))
         return chunks
 
     def events(self, out: SampleOutput) -> list[str]:
@@ -177,7 +205,9 @@ class ResponseBuilder:
     def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
         chunk = {"id": self.response_id, "object": self._object(chunk=True),
                  "created": self.created, "model": self.model, "choices": [choice]}
-        if self.include_usage:
+        if self._continuous_usage:  # vLLM: the usage so far on every chunk
+            chunk["usage"] = self.usage()
+        elif self.include_usage:
             chunk["usage"] = None  # OpenAI: null on every chunk but the last
         return chunk
 

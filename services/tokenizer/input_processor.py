@@ -6,7 +6,8 @@ offline ``LLM`` from its arguments), and each becomes the prompt token ids and r
 ``SamplingParams`` of an ``AddRequest`` here, or an ``InvalidRequest`` naming what is
 wrong, so a bad request never reaches the scheduler (RELIABILITY.md: validate after
 defaults are resolved). Tokenization is ``tokenizer(prompt)["input_ids"]``, chat is
-``apply_chat_template(..., tokenize=False)`` then that: one way for every API, so the
+``apply_chat_template(..., tokenize=False)`` then that without the tokenizer's own special
+tokens (the template writes BOS; vLLM's default, ``add_special_tokens`` overrides either): one way for every API, so the
 service and the offline engine give a prompt the same tokens. ``load_tokenizer`` (re-exported
 from ``shared/tokenizer_loader.py``, which the scheduler uses too) is the one tokenizer
 loader of the project. A structured-output constraint is checked here by building its
@@ -31,6 +32,12 @@ from shared import model_limits
 from shared.sampling_params import SamplingParams
 from shared.structured_output import GrammarError, check_constraint
 from shared.tokenizer_loader import load_tokenizer  # noqa: F401 -- re-exported (main.py, pagoda.LLM)
+
+# what the template call itself sets; chat_template_kwargs may not override them
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
 class InvalidRequest(ValueError):
@@ -104,6 +111,12 @@ class PromptInput:
     add_generation_prompt: bool = True
     tools: list[dict[str, Any]] | None = None  # OpenAI function tools, for the chat template
     skip_special_tokens: bool = True  # False: the output text keeps them (tool call markers)
+    # the tokenizer's special tokens (BOS) added to the text; None: yes for a prompt, no
+    # for chat, whose template writes them (vLLM's defaults)
+    add_special_tokens: bool | None = None
+    # chat: the last (assistant) message is left open for the model to go on with
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template
 
 
 @dataclass(frozen=True)
@@ -167,12 +180,15 @@ class InputProcessor:
         elif req.prompt is not None:
             if not req.prompt:
                 raise InvalidRequest("prompt must not be empty")
-            token_ids = self._tokenize(req.prompt)
+            token_ids = self._tokenize(req.prompt, req.add_special_tokens is not False)
         else:
-            token_ids = self._tokenize(self._render_chat(req))
+            token_ids = self._tokenize(self._render_chat(req), bool(req.add_special_tokens))
         if not token_ids:
             raise InvalidRequest("the prompt tokenizes to no tokens")
         max_len = self.limits.max_model_len
+        truncate = req.sampling_params.truncate_prompt_tokens
+        if truncate is not None:  # the last tokens: the end of a prompt is what it asks
+            token_ids = token_ids[-(max_len - 1 if truncate == -1 else truncate):]
         if len(token_ids) >= max_len:
             raise InvalidRequest(
                 f"the prompt has {len(token_ids)} tokens; it must be shorter than "
@@ -181,9 +197,10 @@ class InputProcessor:
         return token_ids
 
     # -- the HTTP API's /tokenize and /detokenize use these directly -------------------------
-    def tokenize(self, text: str) -> list[int]:
-        """Token ids of ``text`` as a prompt is tokenized (special tokens included)."""
-        return self._tokenize(text)
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text`` as a prompt is tokenized (by default with the special
+        tokens the tokenizer adds; chat text is tokenized without them)."""
+        return self._tokenize(text, add_special_tokens)
 
     def render_chat(self, req: PromptInput) -> str:
         """``req.messages`` through the chat template, or ``InvalidRequest``."""
@@ -200,12 +217,24 @@ class InputProcessor:
         if not getattr(tokenizer, "chat_template", None):
             raise InvalidRequest("the model has no chat template; send a prompt instead")
         conversation = [m.as_dict() for m in req.messages]
-        # tools only when given: a template sees exactly what it saw before tools existed
-        tools = {"tools": req.tools} if req.tools else {}
+        # options only when given: a template sees exactly what it saw before they existed
+        extra: dict[str, Any] = dict(req.chat_template_kwargs or {})
+        if clash := sorted(set(extra) & RESERVED_TEMPLATE_KWARGS):
+            raise InvalidRequest(f"chat_template_kwargs may not set {', '.join(clash)}")
+        if req.tools:
+            extra["tools"] = req.tools
+        if req.continue_final_message:
+            if req.add_generation_prompt:
+                raise InvalidRequest("continue_final_message and add_generation_prompt cannot "
+                                     "both be true")
+            if req.messages[-1].role != "assistant":
+                raise InvalidRequest("continue_final_message needs the last message to be the "
+                                     "assistant's")
+            extra["continue_final_message"] = True
         try:
             text = tokenizer.apply_chat_template(
                 conversation, tokenize=False, add_generation_prompt=req.add_generation_prompt,
-                **tools,
+                **extra,
             )
         except Exception as e:  # noqa: BLE001 -- templates raise TemplateError, TypeError, ... for bad input
             raise InvalidRequest(f"the chat template refused the messages: {e}"[:500]) from None
@@ -213,8 +242,8 @@ class InputProcessor:
             raise InvalidRequest("the chat template rendered no text")
         return text
 
-    def _tokenize(self, text: str) -> list[int]:
-        ids = self._require_tokenizer()(text)["input_ids"]
+    def _tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
+        ids = self._require_tokenizer()(text, add_special_tokens=add_special_tokens)["input_ids"]
         return list(ids)
 
     def _require_tokenizer(self) -> Any:

@@ -67,7 +67,9 @@ def prompt_input(req: GenerateRequest) -> PromptInput:
                     for i, m in enumerate(req.messages)]
     return PromptInput(req.sampling_params, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
                        messages=messages, add_generation_prompt=req.add_generation_prompt,
-                       tools=template_tools(req.tools))
+                       tools=template_tools(req.tools), add_special_tokens=req.add_special_tokens,
+                       continue_final_message=req.continue_final_message,
+                       chat_template_kwargs=req.chat_template_kwargs)
 
 
 def template_tools(tools: list[ToolFunction]) -> list[dict[str, Any]] | None:

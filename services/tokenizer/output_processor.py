@@ -220,6 +220,13 @@ class OutputProcessor:
         if state is not None:
             state.sink.put(RequestFailed(code, message))
 
+    def fail_all(self, code: str, message: str) -> list[str]:
+        """Every held request failed (the scheduler is gone); their ids."""
+        ids = list(self._states)
+        for engine_request_id in ids:
+            self.fail(engine_request_id, code, message)
+        return ids
+
     def end(self, engine_request_id: str, indices: Sequence[int] | None = None,
             deliver: bool = True) -> bool:
         """End samples here (a client cancel, shutdown); their final outputs go to the

@@ -117,4 +117,9 @@ def samples() -> list[object]:
                     Histogram([0.01, 0.1, 1.0], [1, 2, 3, 4], 5.5, 10), Histogram([1.0], [0, 1], 2.0, 1),
                     Histogram([1.0], [1, 0], 0.5, 1), Histogram([0.5], [0, 0], 0.0, 0), 0,
                     [MalformedCount("scheduler_frontend", "msgpack", 4)]),
+        # the fields appended for vLLM's metric names
+        EngineStats(1, 4, 0.5, 64, 10, 4, 2, 9, 7, 1, 1, 0,
+                    *[Histogram([0.1], [1, 0], 0.05, 1)] * 4, 0, [],
+                    "Qwen/Qwen2.5-0.5B", "auto", 16, True, 3, 90, 40,
+                    *[Histogram([1.0, 2.0, 5.0], [0, 1, 0, 2], 13.5, 3)] * 11, 12, 2**40),
     ]

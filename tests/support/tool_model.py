@@ -52,14 +52,14 @@ arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": 
 """
 
 
-def make_tool_model(smollm2_dir: Path, dest: Path) -> Path:
-    """``dest``: SmolLM2's files (weights linked, not copied) with ``TOOL_TEMPLATE``."""
+def make_tool_model(smollm2_dir: Path, dest: Path, template: str = TOOL_TEMPLATE) -> Path:
+    """``dest``: SmolLM2's files (weights linked, not copied) with ``template``."""
     dest.mkdir(parents=True, exist_ok=True)
     for entry in smollm2_dir.iterdir():
         if entry.name in ("tokenizer_config.json", "chat_template.jinja") or entry.name.startswith("."):
             continue
         os.symlink(entry.resolve(), dest / entry.name)
     config = json.loads((smollm2_dir / "tokenizer_config.json").read_text())
-    config["chat_template"] = TOOL_TEMPLATE
+    config["chat_template"] = template
     (dest / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
     return dest

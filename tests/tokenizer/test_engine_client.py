@@ -51,3 +51,36 @@ def test_a_request_error_fails_only_its_sink() -> None:
                                             RequestError("7", "overloaded", "queue full")]))
     assert view.health() == (True, "ok")
     assert len(items) == 1 and isinstance(items[0], RequestFailed) and items[0].code == "overloaded"
+
+
+def test_a_silent_scheduler_fails_the_requests_in_flight() -> None:
+    """No answer to the heartbeats for ``silence_s`` with a request in flight: the request
+    fails with engine_error at once, not whenever (or never) its outputs would come."""
+
+    async def run() -> tuple[list[OutputItem], float]:
+        ctx = zmq.asyncio.Context()
+        client = EngineClient(ctx, "ipc:///tmp/pagoda-test-no-scheduler.sock", "fe",
+                              MalformedFrameCounter(), heartbeat_s=0.05, silence_s=0.3)
+        items: list[OutputItem] = []
+        done = asyncio.Event()
+
+        def put(item: OutputItem) -> None:
+            items.append(item)
+            done.set()
+
+        client.outputs.add(RequestState("7", 0, SamplingParams(), 3, None, True,
+                                        ClientRequest(1, put)))
+        start = asyncio.get_running_loop().time()
+        client.start()
+        try:
+            await asyncio.wait_for(done.wait(), timeout=10)
+        finally:
+            await client.close()
+            ctx.term()
+        return items, asyncio.get_running_loop().time() - start
+
+    items, waited = asyncio.run(run())
+    assert len(items) == 1 and isinstance(items[0], RequestFailed)
+    assert items[0].code == "engine_error" and "has not answered" in items[0].message
+    assert 0.3 <= waited < 5
+

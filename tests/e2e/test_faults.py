@@ -1,0 +1,70 @@
+"""Deaths under `pagoda serve` (issue 23): what clients see, how fast, what is left.
+
+The scheduler SIGKILLed mid-stream: its frontends hear nothing more and fail every
+request in flight with ``engine_error`` within ``SCHEDULER_SILENCE_S`` (a streamed answer
+gets an error event, then ``[DONE]``; a whole one a 500), and the stack goes down with a
+non-zero status, no process and no ipc socket file left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from services.tokenizer.engine_client import SCHEDULER_SILENCE_S
+from support.live_stack import start_stack
+
+pytestmark = pytest.mark.slow
+LONG = {"model": "smollm2", "prompt": "Count: one, two, three,", "max_tokens": 900,
+        "ignore_eos": True, "temperature": 0}
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_a_killed_scheduler_fails_requests_fast_and_takes_the_stack_down(
+        smollm2_dir: Path, tmp_path: Path) -> None:
+    stack = start_stack(smollm2_dir, tmp_path / "serve.log", 1, "--num-kv-blocks", "128",
+                        "--max-model-len", "1024")
+    run_dir = stack.run_dir()
+    try:
+        async def run() -> tuple[list[str], httpx.Response, float]:
+            async with httpx.AsyncClient(base_url=stack.http, timeout=120) as http, \
+                    http.stream("POST", "/completions", json={**LONG, "stream": True}) as r:
+                lines = r.aiter_lines()
+                assert (await lines.__anext__()).startswith("data: {")
+                whole = asyncio.ensure_future(http.post("/completions", json=LONG))
+                await asyncio.sleep(0.5)  # the second request reaches the scheduler
+                killed = time.monotonic()
+                os.kill(stack.pids["scheduler"], signal.SIGKILL)
+                events = [line async for line in lines if line]
+                answer = await whole
+                return events, answer, time.monotonic() - killed
+
+        events, answer, waited = asyncio.run(run())
+        assert events[-1] == "data: [DONE]"
+        error = json.loads(events[-2].removeprefix("data: "))["error"]
+        assert error["code"] == "engine_error", error
+        assert answer.status_code == 500 and answer.json()["error"]["code"] == "engine_error"
+        assert waited < SCHEDULER_SILENCE_S + 10, waited
+        code = stack.proc.wait(timeout=60)
+    finally:
+        if stack.proc.poll() is None:
+            stack.proc.kill()
+            stack.proc.wait()
+    assert code != 0
+    left = [name for name, pid in stack.pids.items() if alive(pid)]
+    assert left == [], left
+    assert not list(run_dir.glob("*.sock")), list(run_dir.iterdir())
