@@ -8,8 +8,9 @@ reference, the C++ CPU kernels and the Triton kernels) honours a per-layer windo
 the model reads from ``layer_windows`` here. A config that describes attention the
 kernels do not compute (a layer type other than full or sliding) is refused, naming the
 field. Rope types whose frequencies HF changes with the sequence length (``dynamic``,
-``longrope``) still cap it: below the original context they are the initial
-frequencies, so sequences are kept there.
+``longrope``) are computed that way by the worker (``layers/rotary.py``), so they do not
+cap it; ``dynamic`` NTK scaling exists to go past ``max_position_embeddings``, so its
+limit is that times the rope ``factor`` (vLLM's rule).
 """
 
 from __future__ import annotations
@@ -73,19 +74,15 @@ def max_model_len(cfg: dict[str, Any], configured: int | None = None) -> int:
     if not isinstance(max_pos, int):
         raise ValueError("config.json lacks max_position_embeddings")  # noqa: TRY004 -- a bad model dir
     layer_windows(cfg)  # a layer type the kernels do not compute is refused here
-    limit = max_pos
-    rope_cap = _rope_length_cap(cfg)
-    if rope_cap is not None and rope_cap < limit:
-        limit = rope_cap
+    params = rope_parameters(cfg)
+    limit, why = max_pos, f"the model's max_position_embeddings {max_pos}"
+    if params.get("rope_type") == "dynamic":
+        limit = int(max_pos * float(params.get("factor", 1.0)))
+        why = f"max_position_embeddings {max_pos} x the dynamic rope factor ({limit})"
     if configured is None:
         return limit
-    if configured > max_pos:
-        raise ValueError(f"max_model_len {configured} exceeds the model's "
-                         f"max_position_embeddings {max_pos}")
     if configured > limit:
-        raise ValueError(f"max_model_len {configured} exceeds {limit}, the rope_scaling "
-                         "original_max_position_embeddings: past it HF changes the rotary "
-                         "frequencies with the sequence length, which pagoda does not do yet")
+        raise ValueError(f"max_model_len {configured} exceeds {why}")
     return configured
 
 
@@ -100,11 +97,3 @@ def rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
     kind = params.get("rope_type", params.get("type", "default"))
     return {} if kind == "default" else {**params, "rope_type": kind}
 
-
-def _rope_length_cap(cfg: dict[str, Any]) -> int | None:
-    params = rope_parameters(cfg)
-    if params.get("rope_type") not in ("dynamic", "longrope"):
-        return None
-    original = params.get("original_max_position_embeddings") or cfg.get(
-        "original_max_position_embeddings") or cfg.get("max_position_embeddings")
-    return int(original)

@@ -232,9 +232,45 @@ def test_rope_scaling_types_give_hf_greedy_tokens(rope_type: str, tmp_path: Path
     params = {**ROPE[rope_type], "rope_theta": 10000.0}
     model_dir = make_checkpoint(tmp_path / rope_type, "llama", seed=8, rope_parameters=params)
     llm = LLM(str(model_dir), dtype="float32", num_kv_blocks=64)
-    if rope_type in ("dynamic", "longrope"):  # HF changes frequencies past the original length
-        assert llm.engine.max_model_len == (256 if rope_type == "longrope" else 1024)
+    # dynamic NTK scaling goes past max_position_embeddings (1024) by its factor
+    assert llm.engine.max_model_len == (2048 if rope_type == "dynamic" else 1024)
     assert_greedy_equals_hf(llm, model_dir, seed=3, lengths=(9, 60), what=rope_type)
+
+
+LENGTH_DEPENDENT = {  # (rope parameters, max_position_embeddings, prompt lengths)
+    # longrope: long factors once a sequence is past original_max_position_embeddings 24
+    "longrope": ({"rope_type": "longrope", "original_max_position_embeddings": 24,
+                  "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                  "long_factor": [2.0 + 0.5 * i for i in range(8)]}, 96, (10, 20, 40)),
+    # dynamic: a new NTK base for every length past max_position_embeddings 32
+    "dynamic": ({"rope_type": "dynamic", "factor": 3.0}, 32, (10, 25, 40)),
+}
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("rope_type", sorted(LENGTH_DEPENDENT))
+def test_length_dependent_rope_past_the_original_context(rope_type: str, backend: str,
+                                                         tmp_path: Path) -> None:
+    """Prompts below, across and past the length where HF switches frequencies, and 48
+    greedy tokens decoded across it, batched: each sequence exactly what HF generate gives
+    it alone (a fresh HF model per prompt: HF's dynamic rope keeps the longest length it
+    has seen across calls)."""
+    params, max_pos, lengths = LENGTH_DEPENDENT[rope_type]
+    model_dir = make_checkpoint(tmp_path / rope_type, "llama", seed=8, max_position_embeddings=max_pos,
+                                rope_parameters={**params, "rope_theta": 10000.0})
+    llm = LLM(str(model_dir), dtype="float32", num_kv_blocks=128, block_size=4,
+              attention_backend=backend)
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in lengths]
+    num_tokens = 48
+    ours = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=num_tokens,
+                                                ignore_eos=True), use_tqdm=False)
+    for prompt, out in zip(prompts, ours):
+        hf = load_hf(model_dir)
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=num_tokens, do_sample=False,
+                              min_new_tokens=num_tokens, eos_token_id=None, pad_token_id=0)
+        assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist(), (rope_type, len(prompt))
 
 
 def test_an_unknown_rope_type_is_refused_at_load(tmp_path: Path) -> None:

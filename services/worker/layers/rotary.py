@@ -3,21 +3,32 @@
 Scaled frequencies come from transformers' own rope initialisation functions
 (``ROPE_INIT_FUNCTIONS``: ``linear``, ``llama3``, ``yarn``, ``dynamic``, ``longrope``),
 so they are HF's by construction, with HF's ``attention_factor`` applied to cos and
-sin. ``dynamic`` and ``longrope`` change frequencies with the sequence length in HF;
-below ``original_max_position_embeddings`` both are the initial ones, and
-``shared/model_limits.py`` keeps every sequence there. Any other type is refused at load.
+sin. Any other type is refused at load.
+
+``dynamic`` and ``longrope`` change the frequencies with the sequence length, as HF's
+``dynamic_rope_update`` does on each forward call: with L the largest position in the
+call plus one, ``longrope`` uses its long factors when L > ``original_max_position_
+embeddings`` (its short ones otherwise) and ``dynamic`` recomputes its NTK base for L
+when L > ``max_position_embeddings``. Here a step's call holds many sequences, so L is
+each sequence's own (its length after the step): a sequence gets exactly what HF gives
+it alone, with its prompt prefilled in the same chunks. Tokens already in the KV cache
+keep the rotation they were written with, as in HF. ``plan`` works this out once per
+step (None, and no cost, when no sequence is past the threshold).
 On the CPU in fp32 / bf16 the rotation runs as one C++ kernel (``kernels.cpu_fused``,
 same rounding) where that extension builds; ``fused=False`` keeps the torch ops.
 """
 
 from __future__ import annotations
 
+import itertools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from kernels import cpu_fused
+from services.worker.attention.base import AttentionMetadata
 from services.worker.model_config import SCALED_ROPE_TYPES
 
 
@@ -40,23 +51,57 @@ def rope_inv_freq(
     if rope_type not in SCALED_ROPE_TYPES:
         raise ValueError(f"rope_scaling: unsupported rope type {rope_type!r} "
                          f"(supported: default, {', '.join(SCALED_ROPE_TYPES)})")
-    if not hf_config:
-        hf_config = {"model_type": "llama", "head_dim": head_dim, "hidden_size": head_dim,
-                     "num_attention_heads": 1, "max_position_embeddings": max_position or 2048,
-                     "rope_parameters": {**(scaling or {}), "rope_theta": base}}
-    from transformers import AutoConfig
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    return HfRope(head_dim, base, scaling, hf_config, max_position).inv_freq()
 
-    fields = {k: v for k, v in hf_config.items() if k != "model_type"}
-    config = AutoConfig.for_model(hf_config["model_type"], **fields)
-    # transformers 5 nests Gemma 3's parameters by layer type: the scaled rope is the
-    # full-attention layers' (the sliding ones' is unscaled, never computed here)
-    params = getattr(config, "rope_parameters", None)
-    layer_type = "full_attention" if isinstance(params, dict) and isinstance(
-        params.get("full_attention"), dict) else None
-    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"),
-                                                                layer_type=layer_type)
-    return inv_freq.float(), float(attention_factor)
+
+class HfRope:
+    """transformers' rope initialisation for one model: its config built once."""
+
+    def __init__(self, head_dim: int, base: float, scaling: dict[str, Any] | None,
+                 hf_config: dict[str, Any] | None = None, max_position: int | None = None) -> None:
+        if not hf_config:
+            hf_config = {"model_type": "llama", "head_dim": head_dim, "hidden_size": head_dim,
+                         "num_attention_heads": 1, "max_position_embeddings": max_position or 2048,
+                         "rope_parameters": {**(scaling or {}), "rope_theta": base}}
+        from transformers import AutoConfig
+
+        fields = {k: v for k, v in hf_config.items() if k != "model_type"}
+        self.config = AutoConfig.for_model(hf_config["model_type"], **fields)
+        self.rope_type = rope_type_of(scaling)
+        # transformers 5 nests Gemma 3's parameters by layer type: the scaled rope is the
+        # full-attention layers' (the sliding ones' is unscaled, never computed here)
+        params = getattr(self.config, "rope_parameters", None)
+        self.layer_type = "full_attention" if isinstance(params, dict) and isinstance(
+            params.get("full_attention"), dict) else None
+        scaling = scaling or {}
+        # where HF switches to length-dependent frequencies (see the module docstring)
+        self.threshold: int | None = None
+        if self.rope_type == "longrope":
+            self.threshold = int(scaling.get("original_max_position_embeddings") or getattr(
+                self.config, "original_max_position_embeddings", None)
+                or self.config.max_position_embeddings)
+        elif self.rope_type == "dynamic":
+            self.threshold = int(self.config.max_position_embeddings)
+
+    def inv_freq(self, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
+        """(inv_freq, attention_factor) for a sequence of ``seq_len`` (None: the initial)."""
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        extra = {} if seq_len is None else {"seq_len": seq_len}
+        inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[self.rope_type](
+            self.config, torch.device("cpu"), layer_type=self.layer_type, **extra)
+        return inv_freq.float(), float(attention_factor)
+
+
+@dataclass(frozen=True)
+class RopePlan:
+    """One step's rotation tables for a length-dependent rope: row ``index[t]`` of
+    ``cos``/``sin`` rotates token t."""
+
+    owner: RotaryEmbedding
+    index: torch.Tensor  # [T] int64
+    cos: torch.Tensor  # [rows, rotary_dim / 2]
+    sin: torch.Tensor
 
 
 class RotaryEmbedding(nn.Module):
@@ -72,36 +117,90 @@ class RotaryEmbedding(nn.Module):
         self.rotary_dim = rotary_dim or head_dim
         self.fused = fused and self.rotary_dim == head_dim  # the C++ kernel rotates whole heads
         half = self.rotary_dim // 2
-        # [max_position, rotary_dim // 2] each
-        self.register_buffer("cos_cache", torch.empty(max_position, half), persistent=False)
-        self.register_buffer("sin_cache", torch.empty(max_position, half), persistent=False)
+        self.rope_type = rope_type_of(scaling)
+        self._hf: HfRope | None = None  # transformers' rope functions (scaled types)
+        # [max_position, rotary_dim // 2] each; longrope: the short factors' rows, then as
+        # many of the long factors' (plan indexes those at position + max_position)
+        rows = max_position * (2 if self.rope_type == "longrope" else 1)
+        self.register_buffer("cos_cache", torch.empty(rows, half), persistent=False)
+        self.register_buffer("sin_cache", torch.empty(rows, half), persistent=False)
         if self.cos_cache.device.type != "meta":
             self.fill_cache()
+
+    @property
+    def length_dependent(self) -> bool:
+        return self.rope_type in ("dynamic", "longrope")
 
     @torch.no_grad()
     def fill_cache(self) -> None:
         device = self.cos_cache.device
-        inv_freq, attention_factor = rope_inv_freq(self.rotary_dim, self.base, self.scaling,
-                                                   self.hf_config, self.max_position)
-        positions = torch.arange(self.max_position, dtype=torch.float32, device=device)
+        if self.rope_type == "default":
+            inv_freq, attention_factor = rope_inv_freq(self.rotary_dim, self.base, None)
+        else:
+            self._hf = HfRope(self.rotary_dim, self.base, self.scaling, self.hf_config,
+                              self.max_position)
+            inv_freq, attention_factor = self._hf.inv_freq()
+        m = self.max_position
+        positions = torch.arange(m, dtype=torch.float32, device=device)
         freqs = torch.outer(positions, inv_freq.to(device))
-        self.cos_cache.copy_(freqs.cos() * attention_factor)
-        self.sin_cache.copy_(freqs.sin() * attention_factor)
+        self.cos_cache[:m].copy_(freqs.cos() * attention_factor)
+        self.sin_cache[:m].copy_(freqs.sin() * attention_factor)
+        if self.rope_type == "longrope":
+            assert self._hf is not None and self._hf.threshold is not None
+            long_freq, long_factor = self._hf.inv_freq(self._hf.threshold + 1)
+            freqs = torch.outer(positions, long_freq.to(device))
+            self.cos_cache[m:].copy_(freqs.cos() * long_factor)
+            self.sin_cache[m:].copy_(freqs.sin() * long_factor)
+
+    def plan(self, positions: torch.Tensor, meta: AttentionMetadata) -> RopePlan | None:
+        """This step's tables where a sequence is past the rope's length threshold; None
+        (the cached tables as they are) otherwise, and always for static rope types."""
+        if not self.length_dependent or self._hf is None or self._hf.threshold is None:
+            return None
+        threshold = self._hf.threshold
+        lens = meta.seq_lens_host
+        if not lens or max(lens) <= threshold:
+            return None
+        starts = meta.query_start_loc_host
+        device = positions.device
+        if self.rope_type == "longrope":
+            long = torch.tensor([n > threshold for n in lens], device=device)
+            counts = torch.tensor([b - a for a, b in itertools.pairwise(starts)], device=device)
+            offset = torch.repeat_interleave(long, counts).long() * self.max_position
+            return RopePlan(self, positions + offset, self.cos_cache, self.sin_cache)
+        # dynamic: a sequence past the threshold rotates its tokens with the NTK base of
+        # its own length, computed here (one small rope init per such sequence)
+        cos = self.cos_cache.index_select(0, positions.clamp(max=self.max_position - 1))
+        sin = self.sin_cache.index_select(0, positions.clamp(max=self.max_position - 1))
+        for i, n in enumerate(lens):
+            if n <= threshold:
+                continue
+            inv_freq, factor = self._hf.inv_freq(n)
+            rows = slice(starts[i], starts[i + 1])
+            freqs = torch.outer(positions[rows].float(), inv_freq.to(device))
+            cos[rows] = freqs.cos() * factor
+            sin[rows] = freqs.sin() * factor
+        index = torch.arange(positions.shape[0], device=device)
+        return RopePlan(self, index, cos, sin)
 
     def forward(
         self,
         positions: torch.Tensor,  # [num_tokens] int64
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        plan: RopePlan | None = None,  # this step's length-dependent tables (``plan``)
     ) -> tuple[torch.Tensor, torch.Tensor]:  # new contiguous tensors, shaped as the inputs
+        index, cos_table, sin_table = positions, self.cos_cache, self.sin_cache
+        if plan is not None and plan.owner is self:
+            index, cos_table, sin_table = plan.index, plan.cos, plan.sin
         if (
             self.fused and query.is_cpu and query.dtype in cpu_fused.DTYPES
-            and key.dtype == query.dtype and self.cos_cache.dtype == torch.float32
+            and key.dtype == query.dtype and cos_table.dtype == torch.float32
             and cpu_fused.available()
         ):  # reads the q / k slices of the qkv projection in place
-            return cpu_fused.rotary(query, key, positions, self.cos_cache, self.sin_cache)
-        cos = self.cos_cache.index_select(0, positions)[:, None, :]  # [T, 1, R/2]
-        sin = self.sin_cache.index_select(0, positions)[:, None, :]
+            return cpu_fused.rotary(query, key, index, cos_table, sin_table)
+        cos = cos_table.index_select(0, index)[:, None, :]  # [T, 1, R/2]
+        sin = sin_table.index_select(0, index)[:, None, :]
         if self.rotary_dim < self.head_dim:
             r = self.rotary_dim
             return (torch.cat((_rotate(query[..., :r], cos, sin), query[..., r:]), dim=-1),

@@ -23,7 +23,7 @@ from kernels import cpu_fused
 from services.worker.attention.base import AttentionBackend, AttentionMetadata
 from services.worker.layers.linear import linear
 from services.worker.layers.norm import RMSNorm
-from services.worker.layers.rotary import RotaryEmbedding
+from services.worker.layers.rotary import RopePlan, RotaryEmbedding
 from services.worker.model_config import ModelConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # per layer: k, v [blocks, block_size, kv_heads, D]
@@ -69,6 +69,7 @@ class LlamaAttention(nn.Module):
         kv_cache: KVCache,
         meta: AttentionMetadata,
         backend: AttentionBackend,
+        rope_plan: RopePlan | None = None,
     ) -> torch.Tensor:  # [T, hidden]
         qkv = linear(hidden, self.qkv_weight, self.qkv_bias, self.qkv_weight_packed)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -80,6 +81,7 @@ class LlamaAttention(nn.Module):
             positions,
             q.reshape(t, self.num_heads, self.head_dim),
             k.reshape(t, self.num_kv_heads, self.head_dim),
+            rope_plan,
         )
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
@@ -140,10 +142,11 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache: KVCache,
         meta: AttentionMetadata,
         backend: AttentionBackend,
+        rope_plan: RopePlan | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden, residual) in and out: the residual stream is their sum."""
         hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, kv_cache, meta, backend)
+        hidden = self.self_attn(positions, hidden, kv_cache, meta, backend, rope_plan)
         if not self.sandwich_norms:
             hidden, residual = self.post_attention_layernorm(hidden, residual)
             return self.mlp(hidden), residual
@@ -206,8 +209,12 @@ class LlamaForCausalLM(nn.Module):
         if self.embed_scale is not None:
             hidden = hidden * self.embed_scale
         residual: torch.Tensor | None = None
+        # dynamic / longrope: this step's length-dependent rotation, once for every layer
+        # (None for static rope types); each layer's rotary uses it only if it owns it
+        rope_plan = self.rotary.plan(positions, meta)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, meta, backend)
+            hidden, residual = layer(positions, hidden, residual, kv_cache, meta, backend,
+                                     rope_plan)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
