@@ -17,12 +17,14 @@ from the kernel if the launcher itself dies (``PR_SET_PDEATHSIG``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import os
 import signal
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -88,6 +90,10 @@ def start_child(name: str, module: str, args: list[str], env: dict[str, str]) ->
     return Child(name, proc, read_fd)
 
 
+FORCE_GRACE_S = 5.0  # after a second signal, before SIGKILL
+STOP_POLL_S = 0.05
+
+
 class Stack:
     """The children of one ``pagoda serve``, in start order."""
 
@@ -113,10 +119,15 @@ class Stack:
     def first_exited(self) -> Child | None:
         return next((c for c in self.children if c.proc.poll() is not None), None)
 
-    def stop(self) -> None:
-        """Frontends first, then the scheduler, then the workers."""
+    def stop(self, force: threading.Event | None = None) -> bool:
+        """Frontends first, then the scheduler, then the workers; True if every child
+        exited 0. Once ``force`` is set (a second Ctrl-C / SIGTERM) every live child gets
+        a second SIGTERM (a frontend then skips its drain) and at most ``FORCE_GRACE_S``
+        more before SIGKILL."""
+        force = force or threading.Event()
         # a frontend drains for shutdown_timeout_s, then aborts and flushes: wait longer
         grace = self.config.process.shutdown_timeout_s + 10.0
+        forced = False
         for group in (
             [c for c in self.children if c.name.startswith("frontend")],
             [c for c in self.children if c.name == "scheduler"],
@@ -125,12 +136,23 @@ class Stack:
             for c in group:
                 if c.proc.poll() is None:
                     c.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + grace
             for c in group:
-                try:
-                    c.proc.wait(timeout=grace)
-                except subprocess.TimeoutExpired:
-                    c.proc.kill()
-                    c.proc.wait()
+                while c.proc.poll() is None:
+                    if force.is_set() and not forced:
+                        forced = True
+                        self._signal_live(signal.SIGTERM)
+                        deadline = min(deadline, time.monotonic() + FORCE_GRACE_S)
+                    if time.monotonic() >= deadline:
+                        c.proc.kill()
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        c.proc.wait(STOP_POLL_S)  # wakes at its exit; else to look at force
+        return all(c.proc.wait() == 0 for c in self.children)
+
+    def _signal_live(self, sig: signal.Signals) -> None:
+        for c in self.children:
+            if c.proc.poll() is None:
+                c.proc.send_signal(sig)
 
 
 def serve(argv: list[str] | None = None) -> int:
@@ -141,9 +163,13 @@ def serve(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from pagoda.model_fetch import resolve_model, served_model_names
 
-    stop = threading.Event()
+    stop, force = threading.Event(), threading.Event()
+
+    def on_signal(*_: object) -> None:  # the first asks to stop, the second to hurry
+        (force if stop.is_set() else stop).set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     with private_run_dir() as run_dir:
         try:
             values = resolve(args)
@@ -181,6 +207,8 @@ def serve(argv: list[str] | None = None) -> int:
                 print(f"pagoda serve: {dead.name} exited with {dead.proc.returncode}; stopping",
                       file=sys.stderr, flush=True)
                 exit_code = 1
+                stop.set()  # a signal now hurries the stop, as a second one would
                 break
-        stack.stop()
+        if not stack.stop(force) or force.is_set():
+            exit_code = 1
     return exit_code

@@ -78,6 +78,7 @@ class SchedulerLoop:
                                cache_dtype=config.engine.dtype)
         self.num_workers = config.engine.tensor_parallel_size
         self.step_timeout_s = config.process.step_timeout_s
+        self.frontend_silence_s = FRONTEND_SILENCE_S  # tests shorten it
         self._subscribers = self.num_workers  # the handshake saw every rank subscribe
         self._heartbeats: dict[bytes, float] = {}  # frontend identity -> last heartbeat
         self._last_silence_check = 0.0
@@ -259,19 +260,29 @@ class SchedulerLoop:
         return sched.metrics.snapshot(sched.stats(), self.counter, self.info, self.kv_events)
 
     def _drop_silent_frontends(self) -> None:
-        """A frontend that heartbeats and then falls silent is gone (killed, partitioned):
-        its requests are aborted even if none of them has produced output yet."""
+        """A frontend that heartbeats and then falls silent is gone (killed, partitioned,
+        paused): its requests are aborted even if none of them has produced output yet,
+        and each is answered with a ``frontend_timeout`` error first, so a frontend that
+        comes back fails them instead of waiting for outputs that will never come."""
         now = time.monotonic()
         if now - self._last_silence_check < 1.0:
             return
         self._last_silence_check = now
         for identity, last in list(self._heartbeats.items()):
-            if now - last > FRONTEND_SILENCE_S:
+            if now - last > self.frontend_silence_s:
                 del self._heartbeats[identity]
-                if self.router.requests_of(identity):
+                iids = self.router.requests_of(identity)
+                if iids:
                     log.warning("frontend %s silent for %.0fs: aborting its requests",
                                 identity.hex(), now - last)
-                    self._abort(self.router.requests_of(identity))
+                    message = (f"the scheduler dropped this request: its frontend did not "
+                               f"heartbeat for {now - last:.0f} s")
+                    for iid in iids:
+                        owner = self.router.owner(iid)
+                        if owner is not None:
+                            self._send_quietly(owner[0], RequestError(
+                                owner[1], "frontend_timeout", message))
+                    self._abort(iids)
 
     def _send_outputs(self, outputs: list[EngineOutput]) -> None:
         if not outputs:

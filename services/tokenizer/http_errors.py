@@ -32,6 +32,8 @@ _ENGINE_CODES: dict[str, tuple[int, str]] = {
     "overloaded": (503, "service_unavailable_error"),
     "shutting_down": (503, "service_unavailable_error"),
     "engine_error": (500, "engine_error"),
+    # the scheduler dropped a request of this frontend, which it heard nothing from
+    "frontend_timeout": (500, "engine_error"),
 }
 
 

@@ -68,3 +68,38 @@ def test_a_killed_scheduler_fails_requests_fast_and_takes_the_stack_down(
     left = [name for name, pid in stack.pids.items() if alive(pid)]
     assert left == [], left
     assert not list(run_dir.glob("*.sock")), list(run_dir.iterdir())
+
+
+def test_a_second_signal_cuts_the_drain_short(smollm2_dir: Path, tmp_path: Path) -> None:
+    """SIGTERM starts the drain (in-flight requests may finish, up to 30 s); a second
+    SIGTERM ends it: the stream ends with finish_reason "abort" and [DONE], and every
+    process is gone within the forced grace, the ipc files with them."""
+    stack = start_stack(smollm2_dir, tmp_path / "serve.log", 1, "--num-kv-blocks", "128",
+                        "--max-model-len", "1024")
+    run_dir = stack.run_dir()
+    try:
+        async def run() -> tuple[list[str], float]:
+            async with httpx.AsyncClient(base_url=stack.http, timeout=120) as http, \
+                    http.stream("POST", "/completions", json={**LONG, "stream": True}) as r:
+                lines = r.aiter_lines()
+                assert (await lines.__anext__()).startswith("data: {")
+                stack.proc.send_signal(signal.SIGTERM)
+                stack.wait_for_log(lambda t: "draining 1 request(s)" in t)
+                second = time.monotonic()
+                stack.proc.send_signal(signal.SIGTERM)
+                events = [line async for line in lines if line]
+                return events, second
+
+        events, second = asyncio.run(run())
+        code = stack.proc.wait(timeout=60)
+        took = time.monotonic() - second
+    finally:
+        if stack.proc.poll() is None:
+            stack.proc.kill()
+            stack.proc.wait()
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2].removeprefix("data: "))["choices"][0]["finish_reason"] == "abort"
+    assert took < 10, took  # not the 30 s drain
+    assert code == 1  # a forced stop
+    assert [name for name, pid in stack.pids.items() if alive(pid)] == []
+    assert not run_dir.exists() or not list(run_dir.glob("*.sock"))

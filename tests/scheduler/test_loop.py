@@ -227,6 +227,29 @@ def test_watchdog_fails_requests_and_exits_1_when_a_step_never_ends(stack_factor
 
 
 
+def test_a_silent_frontend_gets_an_error_for_each_dropped_request(stack_factory: Any) -> None:
+    """A frontend that stops heartbeating (paused, partitioned) has its requests aborted,
+    and is told so request by request: when it reads again, it fails them at once."""
+    stack = stack_factory(hold_s=0.1)  # steps of 0.1 s: the requests outlive the silence
+    stack.loop.frontend_silence_s = 0.5
+    stack.send(Heartbeat("fe-1"))
+    stack.recv_until(EngineStats)
+    stack.send(add("r1", max_tokens=200))
+    stack.send(add("r2", max_tokens=200))
+    stack.recv_until(EngineOutputs)  # both run; now the frontend falls silent
+    errors: dict[str, RequestError] = {}
+    deadline = time.monotonic() + 10
+    while len(errors) < 2 and time.monotonic() < deadline:
+        msg = stack.recv()
+        if isinstance(msg, RequestError):
+            errors[msg.request_id] = msg
+    assert set(errors) == {"r1", "r2"}
+    assert all(e.code == "frontend_timeout" for e in errors.values())
+    stack.send(Heartbeat("fe-1"))  # back: nothing of its old requests is held
+    stats, _ = stack.recv_until(EngineStats)
+    assert stats.running == 0 and stats.waiting == 0
+
+
 def test_workers_leaving_during_the_schedulers_own_stop_is_not_an_engine_death() -> None:
     """A stack stopped as a whole (compose, the launcher) signals every process at once: a
     stopping scheduler that sees its worker leave must still end cleanly (exit 0)."""
