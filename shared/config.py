@@ -171,7 +171,14 @@ class ProcessSettings:
     responses_ttl_s: float = 3600.0
     # a key every HTTP API request must carry (Authorization: Bearer, or x-api-key);
     # None: no check. Passed to the frontends in the environment, never on a command line
-    api_key: str | None = field(default=None, repr=False)
+    api_key: str | None = field(default=None, repr=False)  # one or more, comma-separated
+    api_key_file: str | None = None  # more keys, one per line (a file only its owner reads)
+    # CORS for browser clients, as vLLM names it: origins allowed (comma-separated, "*"
+    # for any; none: no CORS headers), and the methods and headers they may use
+    allowed_origins: str | None = None
+    allowed_methods: str = "*"
+    allowed_headers: str = "*"
+    allow_credentials: bool = False
     allow_wildcard_bind: bool = False  # only on an isolated network (compose internal net)
     socket_hwm: int = DEFAULT_HWM
     max_frame_bytes: int = MAX_FRAME_BYTES
@@ -349,6 +356,17 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("api_key", "process", _optional(str), None,
             "key the HTTP API requires on /v1 routes (Authorization: Bearer <key> or "
             "x-api-key: <key>); prefer the PAGODA_API_KEY environment variable"),
+    Setting("api_key_file", "process", _optional(str), None,
+            "file of API keys the HTTP API accepts, one per line (besides --api-key); it "
+            "must not be readable by group or others"),
+    Setting("allowed_origins", "process", _optional(str), None,
+            "CORS: origins browsers may call the HTTP API from, comma-separated ('*': any)"),
+    Setting("allowed_methods", "process", str, _PROC.allowed_methods,
+            "CORS: methods allowed, comma-separated"),
+    Setting("allowed_headers", "process", str, _PROC.allowed_headers,
+            "CORS: request headers allowed, comma-separated"),
+    Setting("allow_credentials", "process", _parse_bool, _PROC.allow_credentials,
+            "CORS: allow credentials (cookies, Authorization)"),
     Setting("allow_wildcard_bind", "process", _parse_bool, _PROC.allow_wildcard_bind,
             "allow binding tcp://* or 0.0.0.0 (isolated networks only)"),
     Setting("socket_hwm", "process", int, _PROC.socket_hwm, "ZMQ high-water mark (messages)"),

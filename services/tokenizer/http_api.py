@@ -18,7 +18,8 @@ import socket
 import uvicorn
 
 from services.tokenizer.frontend_core import FrontendCore
-from services.tokenizer.http_app import build_app
+from services.tokenizer.http_app import CorsSettings, build_app
+from services.tokenizer.http_auth import api_keys
 from services.tokenizer.http_requests import HttpRequests
 from services.tokenizer.responses_store import ResponsesStore
 from shared.config import ConfigError, PagodaConfig
@@ -54,9 +55,14 @@ class HttpApi:
             raise ConfigError(
                 f"refusing to serve HTTP on {proc.http_host}: every interface; use 127.0.0.1 or "
                 "allow it explicitly (PAGODA_ALLOW_WILDCARD_BIND=1) behind a firewall or proxy")
+        try:
+            keys = api_keys(proc.api_key, proc.api_key_file)
+        except (OSError, ValueError) as e:
+            raise ConfigError(str(e)) from None
         self._sock = bind_reuseport(proc.http_host, proc.http_port)
         store = ResponsesStore(proc.responses_max_stored, proc.responses_ttl_s)
-        app = build_app(self.requests, proc.http_max_body_bytes, store, api_key=proc.api_key)
+        app = build_app(self.requests, proc.http_max_body_bytes, store, api_keys=keys,
+                        cors=CorsSettings.from_process(proc))
         self._server = uvicorn.Server(uvicorn.Config(
             app, lifespan="off", log_config=None, access_log=False, ws="none",
             timeout_graceful_shutdown=GRACEFUL_CLOSE_S, server_header=False))

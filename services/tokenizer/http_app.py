@@ -20,9 +20,11 @@ are shaped by ``http_responses``; running requests is ``HttpRequests``'s job
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from services.tokenizer.anthropic_api import install_anthropic_routes
@@ -51,16 +53,38 @@ from shared.config import ProcessSettings
 from shared.sampling_params import SamplingParams
 
 
+@dataclass(frozen=True)
+class CorsSettings:
+    """vLLM's ``--allowed-origins`` and friends (comma-separated in the settings)."""
+
+    allowed_origins: list[str]
+    allowed_methods: list[str]
+    allowed_headers: list[str]
+    allow_credentials: bool = False
+
+    @classmethod
+    def from_process(cls, proc: ProcessSettings) -> CorsSettings:
+        def items(text: str | None) -> list[str]:
+            return [x.strip() for x in (text or "").split(",") if x.strip()]
+
+        return cls(items(proc.allowed_origins), items(proc.allowed_methods),
+                   items(proc.allowed_headers), proc.allow_credentials)
+
+
 def build_app(api: HttpRequests, max_body_bytes: int,
               responses_store: ResponsesStore | None = None,
-              api_key: str | None = None) -> FastAPI:
+              api_keys: list[str] | None = None, cors: CorsSettings | None = None) -> FastAPI:
     """The app; ``responses_store`` (default: the default settings' size and TTL) keeps the
     Responses API's finished responses."""
     app = FastAPI(title="pagoda", summary="OpenAI-compatible API of a pagoda frontend")
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
-    if api_key is not None:  # added last: the outermost, so it runs before the body limit
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    if api_keys:  # added after the body limit: outside it, so it runs first
+        app.add_middleware(ApiKeyMiddleware, keys=api_keys)
+    if cors is not None and cors.allowed_origins:  # outermost: preflights need no key
+        app.add_middleware(CORSMiddleware, allow_origins=cors.allowed_origins,
+                           allow_methods=cors.allowed_methods, allow_headers=cors.allowed_headers,
+                           allow_credentials=cors.allow_credentials)
     created = int(time.time())
     core = api.core
     processor, tokenizer, model_names = core.processor, core.tokenizer, list(core.served_model_names)

@@ -1,27 +1,46 @@
-"""The HTTP API's key check (``--api-key`` / ``PAGODA_API_KEY``), as vLLM's server does it.
+"""The HTTP API's key check (``--api-key`` / ``PAGODA_API_KEY``, ``--api-key-file``), as
+vLLM's server does it, and its CORS settings.
 
-Every request under ``/v1`` must carry the key as ``Authorization: Bearer <key>`` (what
+Every request under ``/v1`` must carry a key as ``Authorization: Bearer <key>`` (what
 the ``openai`` client sends) or ``x-api-key: <key>`` (what the ``anthropic`` client
 sends); others get a 401 before any route runs, with OpenAI's error body (Anthropic's
 under ``/v1/messages``).
 ``/health``, ``/metrics``, ``/tokenize`` and ``/detokenize`` stay open, as in vLLM, so
-probes and scrapers need no secret. Keys are compared in constant time.
+probes and scrapers need no secret. Keys are compared in constant time. ``api_keys``
+gathers them: ``--api-key`` (one or more, comma-separated) and the lines of
+``--api-key-file``, which must not be readable by group or others (a start with such a
+file is refused, naming it).
 """
 
 from __future__ import annotations
 
 import hmac
 import json
+import os
+import stat
 
 from starlette.types import ASGIApp, Receive, Scope, Send
+
+
+def api_keys(api_key: str | None, api_key_file: str | None) -> list[str]:
+    """Every accepted key (empty: no check); ValueError for a key file others can read."""
+    keys = [k.strip() for k in (api_key or "").split(",") if k.strip()]
+    if api_key_file:
+        mode = os.stat(api_key_file).st_mode
+        if mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise ValueError(f"api_key_file {api_key_file}: readable by group or others "
+                             f"(mode {stat.S_IMODE(mode):o}); chmod 600 it")
+        with open(api_key_file, encoding="utf-8") as f:
+            keys += [line.strip() for line in f if line.strip() and not line.startswith("#")]
+    return keys
 
 
 class ApiKeyMiddleware:
     """A pure ASGI middleware (no body buffering, streaming answers untouched)."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, keys: list[str]) -> None:
         self.app = app
-        self._key = api_key.encode()
+        self._keys = [k.encode() for k in keys]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not scope["path"].startswith("/v1") or \
@@ -44,8 +63,12 @@ class ApiKeyMiddleware:
     def _authorised(self, scope: Scope) -> bool:
         for name, value in scope["headers"]:
             if name == b"authorization" and value[:7].lower() == b"bearer ":
-                if hmac.compare_digest(value[7:].strip(), self._key):
+                if self._known(value[7:].strip()):
                     return True
-            elif name == b"x-api-key" and hmac.compare_digest(value.strip(), self._key):
+            elif name == b"x-api-key" and self._known(value.strip()):
                 return True
         return False
+
+    def _known(self, given: bytes) -> bool:
+        # every key compared, each in constant time: which one matched does not show
+        return sum(hmac.compare_digest(given, key) for key in self._keys) > 0

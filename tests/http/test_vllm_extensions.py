@@ -7,7 +7,8 @@ chat ``echo`` / ``add_generation_prompt`` / ``continue_final_message`` /
 tokens) and the engine's own greedy answer to the equivalent plain request.
 
 The model is SmolLM2 with the Hermes tool template plus a ``persona`` variable, so
-``chat_template_kwargs`` has something to change. The stack runs with ``--api-key``.
+``chat_template_kwargs`` has something to change. The stack runs with ``--api-key``,
+``--api-key-file`` and ``--allowed-origins``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ TEMPLATE = "{%- if persona %}{{- 'Persona: ' + persona + '\\n' }}{%- endif %}\n"
 ASK = [{"role": "user", "content": "Name three colours."}]
 PARTIAL = [*ASK, {"role": "assistant", "content": "Red, green and"}]
 KEY = "unused"  # the key support.live_stack's openai client sends
+FILE_KEYS = ("team-key-1", "team-key-2")
+ORIGIN = "https://app.example"
 TEXT = "The quick brown fox jumps over the lazy dog because the dog was sleeping in the sun"
 
 
@@ -41,9 +44,13 @@ def model(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def stack(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveStack]:
-    with serving(model, tmp_path_factory.mktemp("ext-serve") / "serve.log", 1,
-                 "--num-kv-blocks", "256", "--max-model-len", "1024",
-                 "--served-model-name", "smollm2", "--api-key", KEY) as s:
+    tmp = tmp_path_factory.mktemp("ext-serve")
+    key_file = tmp / "keys"
+    key_file.write_text(f"# team keys\n{FILE_KEYS[0]}\n\n{FILE_KEYS[1]}\n")
+    key_file.chmod(0o600)
+    with serving(model, tmp / "serve.log", 1, "--num-kv-blocks", "256", "--max-model-len",
+                 "1024", "--served-model-name", "smollm2", "--api-key", KEY,
+                 "--api-key-file", str(key_file), "--allowed-origins", ORIGIN) as s:
         yield s
 
 
@@ -227,4 +234,19 @@ def test_api_key(stack: LiveStack) -> None:
     assert httpx.post(f"{stack.http}/messages", headers={"x-api-key": KEY}, json={
         "model": "smollm2", "max_tokens": 1,
         "messages": [{"role": "user", "content": "hi"}]}).status_code == 200
+    for key in FILE_KEYS:
+        assert httpx.post(f"{stack.http}/completions", json=body,
+                          headers={"Authorization": f"Bearer {key}"}).status_code == 200
     assert KEY not in stack.log()  # never logged
+
+
+def test_cors(stack: LiveStack) -> None:
+    preflight = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    r = httpx.options(f"{stack.http}/chat/completions", headers=preflight)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ORIGIN
+    r = httpx.options(f"{stack.http}/chat/completions",
+                      headers={**preflight, "Origin": "https://evil.example"})
+    assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+    r = httpx.get(f"{stack.http}/models", headers={"Origin": ORIGIN, "x-api-key": KEY})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ORIGIN
