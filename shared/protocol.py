@@ -460,17 +460,25 @@ class EngineStats(_Wire, tag=11):
                 raise ValueError("EngineStats: a histogram needs len(bounds) + 1 counts")
 
 
+class WorkerHeartbeat(_Wire, tag=12):
+    """A worker rank is alive and connected (every ``WORKER_HEARTBEAT_S``, on the result
+    link, from its own thread, whatever its step is doing). The scheduler knows a worker
+    by these, not by counting step subscriptions, which any peer can make."""
+
+    rank: Count
+
+
 # -- links: one tagged union and one decoder per socket direction ----------------------------
 
 FrontendToScheduler = AddRequest | AbortRequest | Heartbeat
 SchedulerToFrontend = EngineOutputs | RequestError | EngineStats
 SchedulerToWorker = StepBatch
-WorkerToScheduler = WorkerReady | StepResult
+WorkerToScheduler = WorkerReady | StepResult | WorkerHeartbeat
 ClientToFrontend = GenerateRequest | AbortRequest
 FrontendToClient = GenerateOutput | RequestError
 AnyMessage = (
     AddRequest | AbortRequest | EngineOutputs | RequestError | StepBatch | StepResult
-    | WorkerReady | GenerateRequest | GenerateOutput | Heartbeat | EngineStats
+    | WorkerReady | GenerateRequest | GenerateOutput | Heartbeat | EngineStats | WorkerHeartbeat
 )
 # every top-level message type, in tag order
 MESSAGE_TYPES: tuple[type[_Wire], ...] = tuple(

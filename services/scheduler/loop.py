@@ -50,10 +50,12 @@ from shared.protocol import (
     RequestError,
     StepBatch,
     StepResult,
+    WorkerHeartbeat,
 )
 
 log = logging.getLogger("pagoda.scheduler")
 FRONTEND_SILENCE_S = 15.0  # heartbeats are ~1 s apart; this many seconds of silence = gone
+WORKER_SILENCE_S = 10.0  # worker heartbeats are 1 s apart (services/worker/main.py)
 
 
 @dataclass
@@ -79,6 +81,9 @@ class SchedulerLoop:
         self.num_workers = config.engine.tensor_parallel_size
         self.step_timeout_s = config.process.step_timeout_s
         self.frontend_silence_s = FRONTEND_SILENCE_S  # tests shorten it
+        self.worker_silence_s = WORKER_SILENCE_S
+        # each rank's last WorkerHeartbeat; the handshake has just heard every one
+        self._worker_beats = dict.fromkeys(range(self.num_workers), time.monotonic())
         self._subscribers = self.num_workers  # the handshake saw every rank subscribe
         self._heartbeats: dict[bytes, float] = {}  # frontend identity -> last heartbeat
         self._last_silence_check = 0.0
@@ -105,6 +110,7 @@ class SchedulerLoop:
                         self._launch()
                 self._serve(self._poll_timeout_ms())
                 self._check_watchdog()
+                self._check_workers()
                 self._drop_silent_frontends()
             self._abort_everything("the scheduler is shutting down", code="shutting_down")
             return 0
@@ -151,6 +157,10 @@ class SchedulerLoop:
                               self.counter)
             if msg is None:
                 continue
+            if isinstance(msg, WorkerHeartbeat):
+                if msg.rank in self._worker_beats:
+                    self._worker_beats[msg.rank] = time.monotonic()
+                continue
             flight = self._in_flight
             if not isinstance(msg, StepResult) or flight is None or msg.step_id != flight.batch.step_id:
                 what = f"step {msg.step_id}" if isinstance(msg, StepResult) else type(msg).__name__
@@ -179,6 +189,15 @@ class SchedulerLoop:
                 f"no result for step {flight.batch.step_id} within {self.step_timeout_s:g}s "
                 "(--step-timeout-s)"
             )
+
+    def _check_workers(self) -> None:
+        """Every rank must heartbeat: a worker known only by a step subscription could be
+        any peer (a stray connection subscribes too), so silence is death."""
+        now = time.monotonic()
+        for rank, last in self._worker_beats.items():
+            if now - last > self.worker_silence_s and not self.stop.is_set():
+                raise EngineDeadError(f"worker rank {rank} sent no heartbeat for "
+                                      f"{now - last:.0f}s")
 
     def _watch_subscriptions(self) -> None:
         # a worker's SUB subscribes to everything: exactly b"\x01" when it connects and

@@ -10,7 +10,9 @@ PUSH to its result PULL, send ``WorkerReady`` (the KV capacity handshake), then 
 every rank receives every ``StepBatch`` and executes it; rank 0 sends the
 ``StepResult`` back. A malformed frame is dropped and counted. An exception inside a
 step is fatal (the KV cache may be half-written): the process exits non-zero and the
-scheduler and the launcher take the stack down loudly.
+scheduler and the launcher take the stack down loudly. A thread of its own sends a
+``WorkerHeartbeat`` every ``HEARTBEAT_S`` on a second PUSH, whatever the step loop is
+doing: the scheduler knows its workers are alive by these.
 """
 
 from __future__ import annotations
@@ -29,10 +31,27 @@ from services.worker.runner_builder import RunnerSpec, build_runner
 from shared.codec import MalformedFrameCounter, encode, safe_decode
 from shared.config import ConfigError, PagodaConfig, add_arguments, load_config, require_model_dir
 from shared.ipc import make_socket, report_ready
-from shared.protocol import SCHEDULER_TO_WORKER, WorkerReady
+from shared.protocol import SCHEDULER_TO_WORKER, WorkerHeartbeat, WorkerReady
 
 log = logging.getLogger("pagoda.worker")
 POLL_MS = 200  # how often the loop looks at the stop flag while idle
+HEARTBEAT_S = 1.0
+
+
+def heartbeat(ctx: zmq.Context[Any], address: str, rank: int, stop: threading.Event,
+              period_s: float = HEARTBEAT_S) -> None:
+    """Send WorkerHeartbeat(rank) every ``period_s`` until ``stop`` (a thread's body; its
+    own socket, as ZMQ sockets are not shared between threads)."""
+    sock = make_socket(ctx, zmq.PUSH, address, sndhwm=4)
+    beat = encode(WorkerHeartbeat(rank))
+    try:
+        while not stop.wait(period_s):  # a period, not a synchronisation
+            try:
+                sock.send(beat, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # the scheduler is not reading; it will notice the silence
+    finally:
+        sock.close(linger=0)
 
 
 def run_worker(config: PagodaConfig, ready_fd: int | None = None,
@@ -47,6 +66,9 @@ def run_worker(config: PagodaConfig, ready_fd: int | None = None,
     hwm = config.process.socket_hwm
     steps = make_socket(ctx, zmq.SUB, endpoints.scheduler_step, sndhwm=hwm, rcvhwm=hwm)
     results = make_socket(ctx, zmq.PUSH, endpoints.scheduler_result, sndhwm=hwm, rcvhwm=hwm)
+    beats_stop = threading.Event()
+    beating = threading.Thread(target=heartbeat, name="worker-heartbeat", daemon=True,
+                               args=(ctx, endpoints.scheduler_result, rank, beats_stop))
     try:
         results.send(encode(WorkerReady(
             rank=rank, num_kv_blocks=built.num_blocks, block_size=engine.block_size,
@@ -57,6 +79,7 @@ def run_worker(config: PagodaConfig, ready_fd: int | None = None,
                  built.num_blocks, engine.block_size, built.max_model_len)
         if ready_fd is not None:
             report_ready(ready_fd, role="worker", rank=rank, num_kv_blocks=built.num_blocks)
+        beating.start()
         while not stop.is_set():
             if not steps.poll(POLL_MS, zmq.POLLIN):
                 continue
@@ -67,6 +90,9 @@ def run_worker(config: PagodaConfig, ready_fd: int | None = None,
             if rank == 0:
                 results.send(encode(result))
     finally:
+        beats_stop.set()
+        if beating.is_alive():
+            beating.join()
         steps.close()
         results.close()
         ctx.term()

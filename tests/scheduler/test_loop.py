@@ -22,6 +22,7 @@ import zmq
 
 from services.scheduler.handshake import SchedulerSockets, wait_for_workers
 from services.scheduler.loop import SchedulerLoop
+from services.worker.main import heartbeat
 from shared.codec import MalformedFrameCounter, encode, safe_decode
 from shared.config import Endpoints, load_config
 from shared.ipc import make_socket, private_run_dir
@@ -60,6 +61,9 @@ class HeldWorker:
         sub = make_socket(ctx, zmq.SUB, self.endpoints.scheduler_step)
         push = make_socket(ctx, zmq.PUSH, self.endpoints.scheduler_result)
         push.send(encode(WorkerReady(0, 64, BLOCK_SIZE, 256, VOCAB, [])))
+        beats = threading.Thread(target=heartbeat, daemon=True, args=(
+            ctx, self.endpoints.scheduler_result, 0, self.stop, 0.1))
+        beats.start()
         worker = FakeWorker(BLOCK_SIZE, VOCAB)
         counter = MalformedFrameCounter()
         try:
@@ -76,6 +80,8 @@ class HeldWorker:
                     break
                 push.send(encode(worker.execute(batch)))
         finally:
+            self.stop.set()
+            beats.join()
             sub.close(linger=0)
             push.close(linger=0)
             ctx.term()
@@ -245,9 +251,42 @@ def test_a_silent_frontend_gets_an_error_for_each_dropped_request(stack_factory:
             errors[msg.request_id] = msg
     assert set(errors) == {"r1", "r2"}
     assert all(e.code == "frontend_timeout" for e in errors.values())
-    stack.send(Heartbeat("fe-1"))  # back: nothing of its old requests is held
-    stats, _ = stack.recv_until(EngineStats)
-    assert stats.running == 0 and stats.waiting == 0
+    # back: nothing of its old requests is held once the step in flight has ended (the
+    # aborts apply at its update)
+    deadline = time.monotonic() + 5
+    while True:
+        stack.send(Heartbeat("fe-1"))
+        stats, _ = stack.recv_until(EngineStats)
+        if (stats.running, stats.waiting) == (0, 0) or time.monotonic() > deadline:
+            break
+    assert (stats.running, stats.waiting) == (0, 0)
+
+
+def test_a_worker_is_known_by_its_heartbeats_not_by_subscriptions(stack_factory: Any) -> None:
+    """A stray peer subscribes to the step stream too, then the real worker dies: the
+    subscription count still looks whole, but the worker's heartbeats stop, so the engine
+    is dead within the silence period (requests fail with engine_error, exit 1)."""
+    stack = stack_factory(hold_s=0.0)
+    stack.loop.worker_silence_s = 0.5
+    ctx: zmq.Context[Any] = zmq.Context()
+    stray = make_socket(ctx, zmq.SUB, stack.worker.endpoints.scheduler_step)
+    stray.setsockopt(zmq.SUBSCRIBE, b"")
+    try:
+        stack.send(Heartbeat("fe-1"))
+        stack.recv_until(EngineStats)
+        time.sleep(1.0)  # heartbeats keep a slow-stepping worker alive past the silence
+        assert stack.thread.is_alive()
+        stack.send(add("r1", max_tokens=1000))
+        stack.worker.wait_for_steps(1)
+        stack.worker.stop.set()  # the worker dies (its sockets close; the stray stays)
+        killed = time.monotonic()
+        error, _ = stack.recv_until(RequestError, timeout_s=10.0)
+        assert error.code == "engine_error" and "no heartbeat" in error.message, error
+        stack.thread.join(5)
+        assert stack.result == [1] and time.monotonic() - killed < 5
+    finally:
+        stray.close(linger=0)
+        ctx.term()
 
 
 def test_workers_leaving_during_the_schedulers_own_stop_is_not_an_engine_death() -> None:

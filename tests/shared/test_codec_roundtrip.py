@@ -59,7 +59,7 @@ def test_every_top_level_type_has_a_sample_and_a_unique_kind() -> None:
     assert {cls.__name__: tag_of(cls) for cls in MESSAGE_TYPES} == {
         "AddRequest": 1, "AbortRequest": 2, "EngineOutputs": 3, "RequestError": 4,
         "StepBatch": 5, "StepResult": 6, "WorkerReady": 7, "GenerateRequest": 8,
-        "GenerateOutput": 9, "Heartbeat": 10, "EngineStats": 11,
+        "GenerateOutput": 9, "Heartbeat": 10, "EngineStats": 11, "WorkerHeartbeat": 12,
     }
 
 

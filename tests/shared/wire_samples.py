@@ -25,6 +25,7 @@ from shared.protocol import (
     TokenLogprobs,
     ToolCall,
     ToolFunction,
+    WorkerHeartbeat,
     WorkerReady,
 )
 from shared.sampling_params import SamplingParams
@@ -112,6 +113,8 @@ def samples() -> list[object]:
         WorkerReady(rank=3, num_kv_blocks=2, block_size=1, max_model_len=1, vocab_size=1,
                     eos_token_ids=[]),
         Heartbeat("frontend-0-host-1"),
+        WorkerHeartbeat(0),
+        WorkerHeartbeat(7),
         EngineStats(0, 0, 0.0, 1, 0, 0, 0, 0, 0, 0, 0, 0, *[Histogram([], [0], 0.0, 0)] * 4, 0),
         EngineStats(3, 2, 0.25, 100, 50, 32, 1, 10, 20, 1, 2, 3,
                     Histogram([0.01, 0.1, 1.0], [1, 2, 3, 4], 5.5, 10), Histogram([1.0], [0, 1], 2.0, 1),
