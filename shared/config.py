@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.codec import MAX_FRAME_BYTES
+from shared.faults import Fault
 from shared.ipc import DEFAULT_HWM, check_address
 
 DEFAULT_BASE_PORT = 5570  # scheduler: +0 frontends, +1 step, +2 results; frontends: +10 + i
@@ -187,6 +188,7 @@ class ProcessSettings:
     step_timeout_s: float = 60.0  # a step without a result this long: the engine is dead
     rank: int = 0  # this worker's rank, < tensor_parallel_size (pagoda serve sets it per worker)
     testing: bool = False  # test mode: a broken scheduler invariant is fatal, not just counted
+    fault: str | None = None  # test mode only: a failure on purpose (shared/faults.py)
     cache_dir: str = DEFAULT_CACHE_DIR  # where `pagoda fetch` puts models (env PAGODA_CACHE)
     # the scheduler's KV cache events in vLLM's format (services/scheduler/kv_events.py):
     # None: off. A wildcard, ipc:// or inproc:// address is bound, a tcp://host:port one
@@ -211,6 +213,13 @@ class ProcessSettings:
         if self.responses_max_stored < 0 or not self.responses_ttl_s > 0:
             raise ConfigError(f"responses_max_stored must be >= 0 and responses_ttl_s > 0, got "
                               f"{self.responses_max_stored} and {self.responses_ttl_s}")
+        if self.fault is not None:
+            if not self.testing:
+                raise ConfigError("fault: fault injection runs only in test mode (--testing)")
+            try:
+                Fault.parse(self.fault)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         if self.api_key is not None and not self.api_key.strip():
             raise ConfigError("api_key: must not be blank")
         if self.served_model_name is not None and not self.served_model_name.strip():
@@ -382,6 +391,8 @@ SETTINGS: tuple[Setting, ...] = (
             "this worker's rank (pagoda serve passes --rank to each worker)"),
     Setting("testing", "process", _parse_bool, _PROC.testing,
             "test mode: a broken scheduler invariant is fatal (the test suite sets it)"),
+    Setting("fault", "process", _optional(str), None,
+            "test mode only: fail on purpose, e.g. worker_raise_after=3 (shared/faults.py)"),
     Setting("cache_dir", "process", str, _PROC.cache_dir,
             "directory of fetched models (pagoda fetch)", env_name="PAGODA_CACHE"),
     Setting("kv_events_endpoint", "process", _optional(str), None,

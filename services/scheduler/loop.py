@@ -38,6 +38,7 @@ from services.scheduler.request_router import RequestRouter, internal_id
 from services.scheduler.scheduler import RequestRejected, Scheduler
 from shared.codec import MalformedFrameCounter, encode, safe_decode
 from shared.config import PagodaConfig
+from shared.faults import FaultPoint
 from shared.protocol import (
     FRONTEND_TO_SCHEDULER,
     WORKER_TO_SCHEDULER,
@@ -81,6 +82,7 @@ class SchedulerLoop:
         self.num_workers = config.engine.tensor_parallel_size
         self.step_timeout_s = config.process.step_timeout_s
         self.frontend_silence_s = FRONTEND_SILENCE_S  # tests shorten it
+        self._fault = FaultPoint("scheduler", config.process.fault)
         self.worker_silence_s = WORKER_SILENCE_S
         # each rank's last WorkerHeartbeat; the handshake has just heard every one
         self._worker_beats = dict.fromkeys(range(self.num_workers), time.monotonic())
@@ -145,6 +147,7 @@ class SchedulerLoop:
             # nothing for the workers (only grammars compiling): the step ends here
             self._complete(batch, StepResult(step_id=batch.step_id))
             return
+        self._fault.step()  # tests only (shared/faults.py): exits here, a step in flight
         try:
             self.sockets.steps.send(encode(batch), flags=zmq.NOBLOCK)
         except zmq.Again:

@@ -30,6 +30,7 @@ import zmq
 from services.worker.runner_builder import RunnerSpec, build_runner
 from shared.codec import MalformedFrameCounter, encode, safe_decode
 from shared.config import ConfigError, PagodaConfig, add_arguments, load_config, require_model_dir
+from shared.faults import FaultPoint
 from shared.ipc import make_socket, report_ready
 from shared.protocol import SCHEDULER_TO_WORKER, WorkerHeartbeat, WorkerReady
 
@@ -66,6 +67,7 @@ def run_worker(config: PagodaConfig, ready_fd: int | None = None,
     hwm = config.process.socket_hwm
     steps = make_socket(ctx, zmq.SUB, endpoints.scheduler_step, sndhwm=hwm, rcvhwm=hwm)
     results = make_socket(ctx, zmq.PUSH, endpoints.scheduler_result, sndhwm=hwm, rcvhwm=hwm)
+    fault = FaultPoint("worker", config.process.fault)  # tests only (shared/faults.py)
     beats_stop = threading.Event()
     beating = threading.Thread(target=heartbeat, name="worker-heartbeat", daemon=True,
                                args=(ctx, endpoints.scheduler_result, rank, beats_stop))
@@ -86,6 +88,7 @@ def run_worker(config: PagodaConfig, ready_fd: int | None = None,
             batch = safe_decode(steps.recv_multipart(copy=False), SCHEDULER_TO_WORKER, counter)
             if batch is None:
                 continue
+            fault.step()
             result = runner.execute(batch)
             if rank == 0:
                 results.send(encode(result))

@@ -103,3 +103,36 @@ def test_a_second_signal_cuts_the_drain_short(smollm2_dir: Path, tmp_path: Path)
     assert code == 1  # a forced stop
     assert [name for name, pid in stack.pids.items() if alive(pid)] == []
     assert not run_dir.exists() or not list(run_dir.glob("*.sock"))
+
+
+@pytest.mark.parametrize(("fault", "extra"), [
+    ("worker_raise_after=4", ()), ("worker_exit_after=4", ()),
+    ("worker_hang_after=4", ("--step-timeout-s", "2")),
+])
+def test_worker_faults_fail_requests_fast(fault: str, extra: tuple[str, ...],
+                                          smollm2_dir: Path, tmp_path: Path) -> None:
+    """A worker that raises in a step, exits, or hangs in one (fault injection, so the
+    moment is a step in flight): the streamed request gets an engine_error event and
+    [DONE] within seconds, and the stack goes down with exit 1, nothing left."""
+    stack = start_stack(smollm2_dir, tmp_path / "serve.log", 1, "--num-kv-blocks", "128",
+                        "--max-model-len", "1024", "--fault", fault, *extra)
+    try:
+        async def run() -> tuple[list[str], float]:
+            started = time.monotonic()
+            async with httpx.AsyncClient(base_url=stack.http, timeout=120) as http, \
+                    http.stream("POST", "/completions", json={**LONG, "stream": True}) as r:
+                events = [line async for line in r.aiter_lines() if line]
+            return events, time.monotonic() - started
+
+        events, took = asyncio.run(run())
+        code = stack.proc.wait(timeout=60)
+    finally:
+        if stack.proc.poll() is None:
+            stack.proc.kill()
+            stack.proc.wait()
+    assert events[-1] == "data: [DONE]"
+    error = json.loads(events[-2].removeprefix("data: "))["error"]
+    assert error["code"] == "engine_error", error
+    assert took < 15, took
+    assert code == 1
+    assert [name for name, pid in stack.pids.items() if alive(pid)] == []
