@@ -174,6 +174,8 @@ class ProcessSettings:
     # None: no check. Passed to the frontends in the environment, never on a command line
     api_key: str | None = field(default=None, repr=False)  # one or more, comma-separated
     api_key_file: str | None = None  # more keys, one per line (a file only its owner reads)
+    # with keys: the paths that stay open (probes, scrapers), comma-separated
+    api_key_open_paths: str = "/health,/metrics,/tokenize,/detokenize"
     # CORS for browser clients, as vLLM names it: origins allowed (comma-separated, "*"
     # for any; none: no CORS headers), and the methods and headers they may use
     allowed_origins: str | None = None
@@ -368,6 +370,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("api_key_file", "process", _optional(str), None,
             "file of API keys the HTTP API accepts, one per line (besides --api-key); it "
             "must not be readable by group or others"),
+    Setting("api_key_open_paths", "process", str, _PROC.api_key_open_paths,
+            "with API keys, the HTTP paths that need none, comma-separated (empty: none); "
+            "every other path needs a key"),
     Setting("allowed_origins", "process", _optional(str), None,
             "CORS: origins browsers may call the HTTP API from, comma-separated ('*': any)"),
     Setting("allowed_methods", "process", str, _PROC.allowed_methods,

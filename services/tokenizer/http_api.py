@@ -61,8 +61,10 @@ class HttpApi:
             raise ConfigError(str(e)) from None
         self._sock = bind_reuseport(proc.http_host, proc.http_port)
         store = ResponsesStore(proc.responses_max_stored, proc.responses_ttl_s)
+        open_paths = frozenset(x.strip().rstrip("/") for x in proc.api_key_open_paths.split(",")
+                               if x.strip())
         app = build_app(self.requests, proc.http_max_body_bytes, store, api_keys=keys,
-                        cors=CorsSettings.from_process(proc))
+                        cors=CorsSettings.from_process(proc), open_paths=open_paths)
         self._server = uvicorn.Server(uvicorn.Config(
             app, lifespan="off", log_config=None, access_log=False, ws="none",
             timeout_graceful_shutdown=GRACEFUL_CLOSE_S, server_header=False))

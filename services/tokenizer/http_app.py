@@ -73,14 +73,16 @@ class CorsSettings:
 
 def build_app(api: HttpRequests, max_body_bytes: int,
               responses_store: ResponsesStore | None = None,
-              api_keys: list[str] | None = None, cors: CorsSettings | None = None) -> FastAPI:
+              api_keys: list[str] | None = None, cors: CorsSettings | None = None,
+              open_paths: frozenset[str] = frozenset({"/health", "/metrics", "/tokenize",
+                                                      "/detokenize"})) -> FastAPI:
     """The app; ``responses_store`` (default: the default settings' size and TTL) keeps the
     Responses API's finished responses."""
     app = FastAPI(title="pagoda", summary="OpenAI-compatible API of a pagoda frontend")
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     if api_keys:  # added after the body limit: outside it, so it runs first
-        app.add_middleware(ApiKeyMiddleware, keys=api_keys)
+        app.add_middleware(ApiKeyMiddleware, keys=api_keys, open_paths=open_paths)
     if cors is not None and cors.allowed_origins:  # outermost: preflights need no key
         app.add_middleware(CORSMiddleware, allow_origins=cors.allowed_origins,
                            allow_methods=cors.allowed_methods, allow_headers=cors.allowed_headers,

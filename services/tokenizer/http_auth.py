@@ -1,12 +1,12 @@
 """The HTTP API's key check (``--api-key`` / ``PAGODA_API_KEY``, ``--api-key-file``), as
 vLLM's server does it, and its CORS settings.
 
-Every request under ``/v1`` must carry a key as ``Authorization: Bearer <key>`` (what
-the ``openai`` client sends) or ``x-api-key: <key>`` (what the ``anthropic`` client
-sends); others get a 401 before any route runs, with OpenAI's error body (Anthropic's
-under ``/v1/messages``).
-``/health``, ``/metrics``, ``/tokenize`` and ``/detokenize`` stay open, as in vLLM, so
-probes and scrapers need no secret. Keys are compared in constant time. ``api_keys``
+Every request must carry a key as ``Authorization: Bearer <key>`` (what the ``openai``
+client sends) or ``x-api-key: <key>`` (what the ``anthropic`` client sends); others get a
+401 before any route runs, with OpenAI's error body (Anthropic's under
+``/v1/messages``). The paths of ``--api-key-open-paths`` need none: by default
+``/health``, ``/metrics``, ``/tokenize`` and ``/detokenize``, as vLLM leaves them open, so
+probes and scrapers need no secret; CORS preflights (OPTIONS) need none either. Keys are compared in constant time. ``api_keys``
 gathers them: ``--api-key`` (one or more, comma-separated) and the lines of
 ``--api-key-file``, which must not be readable by group or others (a start with such a
 file is refused, naming it).
@@ -38,12 +38,14 @@ def api_keys(api_key: str | None, api_key_file: str | None) -> list[str]:
 class ApiKeyMiddleware:
     """A pure ASGI middleware (no body buffering, streaming answers untouched)."""
 
-    def __init__(self, app: ASGIApp, keys: list[str]) -> None:
+    def __init__(self, app: ASGIApp, keys: list[str],
+                 open_paths: frozenset[str] = frozenset()) -> None:
         self.app = app
         self._keys = [k.encode() for k in keys]
+        self._open = open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1") or \
+        if scope["type"] != "http" or scope["path"].rstrip("/") in self._open or \
                 scope["method"] == "OPTIONS" or self._authorised(scope):
             await self.app(scope, receive, send)
             return

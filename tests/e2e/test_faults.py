@@ -136,3 +136,18 @@ def test_worker_faults_fail_requests_fast(fault: str, extra: tuple[str, ...],
     assert took < 15, took
     assert code == 1
     assert [name for name, pid in stack.pids.items() if alive(pid)] == []
+
+
+def test_a_killed_launcher_takes_its_children_with_it(smollm2_dir: Path, tmp_path: Path) -> None:
+    """`pagoda serve` SIGKILLed (no chance to stop anything): every child gets SIGTERM from
+    the kernel (PR_SET_PDEATHSIG), stops, and removes its socket files."""
+    stack = start_stack(smollm2_dir, tmp_path / "serve.log", 1, "--num-kv-blocks", "128",
+                        "--max-model-len", "512")
+    run_dir = stack.run_dir()
+    stack.proc.kill()
+    stack.proc.wait()
+    deadline = time.monotonic() + 30
+    while any(alive(pid) for pid in stack.pids.values()) and time.monotonic() < deadline:
+        time.sleep(0.1)  # polling the processes' state
+    assert [name for name, pid in stack.pids.items() if alive(pid)] == []
+    assert not list(run_dir.glob("*.sock")), list(run_dir.iterdir())

@@ -226,6 +226,8 @@ def test_api_key(stack: LiveStack) -> None:
     assert httpx.get(f"{stack.http}/models").status_code == 401
     assert httpx.get(f"{root}/health").status_code == 200  # probes need no key
     assert httpx.get(f"{root}/metrics").status_code == 200
+    assert httpx.get(f"{root}/openapi.json").status_code == 401  # not an open path
+    assert httpx.get(f"{root}/openapi.json", headers={"x-api-key": KEY}).status_code == 200
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=stack.http, api_key="wrong", max_retries=0).models.list()
     r = httpx.post(f"{stack.http}/messages", json={"model": "smollm2", "max_tokens": 1,
