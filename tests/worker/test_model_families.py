@@ -241,9 +241,9 @@ LENGTH_DEPENDENT = {  # (rope parameters, max_position_embeddings, prompt length
     # longrope: long factors once a sequence is past original_max_position_embeddings 24
     "longrope": ({"rope_type": "longrope", "original_max_position_embeddings": 24,
                   "short_factor": [1.0 + 0.1 * i for i in range(8)],
-                  "long_factor": [2.0 + 0.5 * i for i in range(8)]}, 96, (10, 20, 40)),
+                  "long_factor": [2.0 + 0.5 * i for i in range(8)]}, 128, (10, 20, 40)),
     # dynamic: a new NTK base for every length past max_position_embeddings 32
-    "dynamic": ({"rope_type": "dynamic", "factor": 3.0}, 32, (10, 25, 40)),
+    "dynamic": ({"rope_type": "dynamic", "factor": 4.0}, 32, (10, 25, 40)),
 }
 
 
@@ -251,7 +251,7 @@ LENGTH_DEPENDENT = {  # (rope parameters, max_position_embeddings, prompt length
 @pytest.mark.parametrize("rope_type", sorted(LENGTH_DEPENDENT))
 def test_length_dependent_rope_past_the_original_context(rope_type: str, backend: str,
                                                          tmp_path: Path) -> None:
-    """Prompts below, across and past the length where HF switches frequencies, and 48
+    """Prompts below, across and past the length where HF switches frequencies, and 64
     greedy tokens decoded across it, batched: each sequence exactly what HF generate gives
     it alone (a fresh HF model per prompt: HF's dynamic rope keeps the longest length it
     has seen across calls)."""
@@ -262,7 +262,7 @@ def test_length_dependent_rope_past_the_original_context(rope_type: str, backend
               attention_backend=backend)
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in lengths]
-    num_tokens = 48
+    num_tokens = 64
     ours = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=num_tokens,
                                                 ignore_eos=True), use_tqdm=False)
     for prompt, out in zip(prompts, ours):
