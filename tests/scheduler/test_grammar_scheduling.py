@@ -20,7 +20,7 @@ from services.scheduler.scheduler import RequestRejected, Scheduler, SchedulerCo
 from services.scheduler.structured_output import StructuredOutputManager
 from shared.protocol import EngineOutput, StepBatch, StepResult
 from shared.sampling_params import SamplingParams, StructuredOutputsParams
-from support.fake_worker import FakeWorker
+from support.fake_worker import FakeWorker, run_to_idle, step
 
 VOCAB = 49152 + 64  # SmolLM2's tokenizer under padded logits
 EOS = 2
@@ -80,30 +80,11 @@ def params(so: StructuredOutputsParams | None = None, **kw: Any) -> SamplingPara
     return SamplingParams(structured_outputs=so, **kw)
 
 
-def step(s: Scheduler, w: MaskedWorker) -> tuple[StepBatch, list[EngineOutput]]:
-    batch = s.schedule()
-    outs = s.update(batch, w.execute(batch))
-    s.check_invariants()
-    return batch, outs
-
-
-def run(s: Scheduler, w: MaskedWorker, max_steps: int = 2000) -> dict[tuple[str, int], EngineOutput]:
-    """Steps until idle (every grammar compiled first); each sequence's final output."""
+def run(s: Scheduler, w: MaskedWorker) -> dict[tuple[str, int], EngineOutput]:
+    """Steps until idle, every grammar compiled first; each sequence's final output."""
     for request_id in list(s.requests):
         compiled(s, request_id)
-    done: dict[tuple[str, int], EngineOutput] = {}
-    tokens: dict[tuple[str, int], list[int]] = {}
-    for _ in range(max_steps):
-        if not s.has_unfinished_requests():
-            break
-        for out in step(s, w)[1]:
-            key = (out.request_id, out.index)
-            tokens.setdefault(key, []).extend(out.new_token_ids)
-            if out.finished:
-                out.new_token_ids = tokens[key]
-                done[key] = out
-    assert not s.has_unfinished_requests(), "the scheduler did not drain"
-    return done
+    return run_to_idle(s, w, max_steps=2000)
 
 
 def compiled(s: Scheduler, request_id: str) -> None:

@@ -11,9 +11,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from services.scheduler.request import RequestStatus
 from services.scheduler.scheduler import RequestRejected, Scheduler, SchedulerConfig
-from shared.protocol import EngineOutput, StepBatch
 from shared.sampling_params import SamplingParams
-from support.fake_worker import FakeWorker
+from support.fake_worker import FakeWorker, run_to_idle, step
 
 EOS = 2
 
@@ -28,30 +27,6 @@ def params(**kw: object) -> SamplingParams:
     kw.setdefault("temperature", 0.0)
     kw.setdefault("ignore_eos", False)
     return SamplingParams(**kw)  # type: ignore[arg-type]
-
-
-def step(s: Scheduler, w: FakeWorker) -> tuple[StepBatch, list[EngineOutput]]:
-    batch = s.schedule()
-    outs = s.update(batch, w.execute(batch))
-    s.check_invariants()
-    return batch, outs
-
-
-def run(s: Scheduler, w: FakeWorker, max_steps: int = 5000) -> dict[tuple[str, int], EngineOutput]:
-    """Steps until idle; returns each sequence's final output with all its tokens."""
-    done: dict[tuple[str, int], EngineOutput] = {}
-    tokens: dict[tuple[str, int], list[int]] = {}
-    for _ in range(max_steps):
-        if not s.has_unfinished_requests():
-            break
-        for out in step(s, w)[1]:
-            key = (out.request_id, out.index)
-            tokens.setdefault(key, []).extend(out.new_token_ids)
-            if out.finished:
-                out.new_token_ids = tokens[key]
-                done[key] = out
-    assert not s.has_unfinished_requests(), "the scheduler did not drain"
-    return done
 
 
 def sid(s: Scheduler, request_id: str, index: int = 0) -> int:
@@ -139,7 +114,7 @@ def test_chunked_prefill_keeps_decodes_going_and_respects_budget() -> None:
         assert batch.total_num_scheduled_tokens <= 32
         chunks.append(sched[long0])
     assert sum(chunks) == 200 and len(chunks) == -(-200 // 31)
-    run(s, w)
+    run_to_idle(s, w)
     assert_idle(s)
 
 
@@ -148,7 +123,7 @@ def test_chunked_prefill_gives_the_same_tokens() -> None:
     for budget in (16, 4096):
         s, w = make(num_blocks=200, block_size=4, max_num_batched_tokens=budget)
         s.add_request("long", prompt(300), params(max_tokens=10))
-        results.append(run(s, w)[("long", 0)].new_token_ids)
+        results.append(run_to_idle(s, w)[("long", 0)].new_token_ids)
     assert results[0] == results[1] and len(results[0]) == 10
 
 
@@ -182,7 +157,7 @@ def test_preempted_requests_give_the_same_tokens() -> None:
         s, w = make(num_blocks=num_blocks, block_size=4, max_num_seqs=16)
         for i in range(16):
             s.add_request(f"r{i}", prompt(3 + i % 5, 7 * i), params(max_tokens=12 + i))
-        outs.append({k: v.new_token_ids for k, v in run(s, w).items()})
+        outs.append({k: v.new_token_ids for k, v in run_to_idle(s, w).items()})
         assert_idle(s)
     assert s.stats().num_preemptions >= 5
     assert outs[0] == outs[1]
@@ -191,7 +166,7 @@ def test_preempted_requests_give_the_same_tokens() -> None:
 def test_decode_at_the_pool_ceiling_stops_with_length() -> None:
     s, w = make(num_blocks=4, block_size=4, max_model_len=1000)
     s.add_request("r", prompt(5), params(max_tokens=100))
-    out = run(s, w)[("r", 0)]
+    out = run_to_idle(s, w)[("r", 0)]
     assert out.finish_reason == "length"
     # every slot of the 4 blocks was computed; the last token sampled needs no slot
     assert len(out.new_token_ids) == 16 - 5 + 1
@@ -210,7 +185,7 @@ def test_stop_rules() -> None:
     for rid in ("eos", "eos-ignored", "min"):
         w.forced[sid(s, rid)] = [5, EOS, EOS, 6]
     w.forced[sid(s, "stop-id")] = [5, 77, 8]
-    done = run(s, w)
+    done = run_to_idle(s, w)
     assert done[("eos", 0)].new_token_ids == [5, EOS] and done[("eos", 0)].finish_reason == "stop"
     assert done[("eos-ignored", 0)].new_token_ids[:4] == [5, EOS, EOS, 6]
     assert done[("eos-ignored", 0)].finish_reason == "length"
@@ -290,7 +265,7 @@ def test_n_children_share_prompt_blocks_and_are_all_freed() -> None:
         assert child.num_computed_tokens == 16
     assert all(s.block_manager.blocks[b].ref_count == 4 for b in first_blocks)
     assert [c.sampling_params.seed for c in s.requests["r"]] == [1, 2, 3, 4]
-    done = run(s, w)
+    done = run_to_idle(s, w)
     assert sorted(done) == [("r", i) for i in range(4)]
     assert_idle(s)
 
@@ -342,7 +317,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.s.check_invariants()
 
     def teardown(self) -> None:
-        run(self.s, self.w)
+        run_to_idle(self.s, self.w)
         assert_idle(self.s)
 
 

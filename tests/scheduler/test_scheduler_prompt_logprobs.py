@@ -12,9 +12,9 @@ import pytest
 
 from services.scheduler.request import RequestStatus
 from services.scheduler.scheduler import RequestRejected, Scheduler, SchedulerConfig
-from shared.protocol import EngineOutput, StepBatch
+from shared.protocol import EngineOutput
 from shared.sampling_params import SamplingParams
-from support.fake_worker import FakeWorker
+from support.fake_worker import FakeWorker, step
 
 PROMPT = list(range(100, 130))  # 30 tokens: 7 full blocks of 4 and a partial one
 EXPECTED = [None] + [-float(p) for p in range(1, len(PROMPT))]
@@ -28,13 +28,6 @@ def make(**kw: int) -> tuple[Scheduler, FakeWorker]:
 
 def params(**kw: object) -> SamplingParams:
     return SamplingParams(**{"temperature": 0.0, **kw})  # type: ignore[arg-type]
-
-
-def step(s: Scheduler, w: FakeWorker) -> tuple[StepBatch, list[EngineOutput]]:
-    batch = s.schedule()
-    outs = s.update(batch, w.execute(batch))
-    s.check_invariants()
-    return batch, outs
 
 
 def scored(out: EngineOutput) -> list[float | None]:

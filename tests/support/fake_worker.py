@@ -1,6 +1,7 @@
 """A fabricated worker for scheduler tests: applies StepBatch deltas like the real
 ModelRunner (and checks them), but "samples" a token computed from the sequence's
 tokens instead of running a model, so scheduler tests run in microseconds per step.
+``step`` and ``run_to_idle`` drive a scheduler core with one.
 
 It is strict about the protocol: a running request it has no state for, a step that
 computes past the known tokens, or a block table too short for the step fails loudly.
@@ -11,8 +12,12 @@ and must start at token 0 (no prefix-cache hit may skip a position it has to sco
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from shared.protocol import PromptLogprobs, StepBatch, StepResult, TokenLogprobs
+from shared.protocol import EngineOutput, PromptLogprobs, StepBatch, StepResult, TokenLogprobs
+
+if TYPE_CHECKING:
+    from services.scheduler.scheduler import Scheduler
 
 
 @dataclass
@@ -68,3 +73,29 @@ class FakeWorker:
                 result.sampled_token_ids.append(token)
                 result.logprobs.append(None)
         return result
+
+
+def step(scheduler: Scheduler, worker: FakeWorker) -> tuple[StepBatch, list[EngineOutput]]:
+    """One scheduler step run by ``worker``, the block invariant checked after it."""
+    batch = scheduler.schedule()
+    outs = scheduler.update(batch, worker.execute(batch))
+    scheduler.check_invariants()
+    return batch, outs
+
+
+def run_to_idle(scheduler: Scheduler, worker: FakeWorker,
+                max_steps: int = 5000) -> dict[tuple[str, int], EngineOutput]:
+    """Steps until idle; each sequence's final output, with all its tokens."""
+    done: dict[tuple[str, int], EngineOutput] = {}
+    tokens: dict[tuple[str, int], list[int]] = {}
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished_requests():
+            break
+        for out in step(scheduler, worker)[1]:
+            key = (out.request_id, out.index)
+            tokens.setdefault(key, []).extend(out.new_token_ids)
+            if out.finished:
+                out.new_token_ids = tokens[key]
+                done[key] = out
+    assert not scheduler.has_unfinished_requests(), "the scheduler did not drain"
+    return done
