@@ -32,7 +32,7 @@ from services.tokenizer.anthropic_protocol import (
 )
 from services.tokenizer.anthropic_responses import MessagesShape, error_body, error_type
 from services.tokenizer.http_errors import RETRY_AFTER_S, ApiError, bad_request
-from services.tokenizer.http_protocol import check_model, lone_surrogate_at
+from services.tokenizer.http_protocol import check_model, check_text
 from services.tokenizer.http_requests import HttpRequests
 
 log = logging.getLogger("pagoda.frontend.http")
@@ -95,10 +95,7 @@ async def _read(request: Request, model: type[Body]) -> Body:
         data = json.loads(raw)
     except ValueError as e:
         raise bad_request(f"the body is not valid JSON: {e}") from None
-    where = lone_surrogate_at(data)
-    if where is not None:  # JSON's "\ud800" parses, but cannot be encoded or tokenized
-        raise bad_request(f"{where}: contains a lone surrogate (\\ud800-\\udfff), which is "
-                          "not text")
+    check_text(data)  # JSON's "\ud800" parses, but cannot be encoded or tokenized
     try:
         return model.model_validate(data)
     except ValidationError as e:

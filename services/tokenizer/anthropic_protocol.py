@@ -34,10 +34,10 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from services.tokenizer.http_errors import bad_request
-from services.tokenizer.http_protocol import MAX_MESSAGES
+from services.tokenizer.http_protocol import MAX_MESSAGES, StrictBody
 from services.tokenizer.input_processor import (
     ChatTurn,
     InputProcessor,
@@ -59,19 +59,16 @@ CacheControl = dict[str, Any]  # {"type": "ephemeral", "ttl": ...}: accepted, ig
 _PARAMS = {"stop": "stop_sequences", "structured_outputs": "output_config", "json": "output_config"}
 
 
-class _Body(BaseModel):
-    # strict, as http_protocol's bodies: no "10" -> 10, true -> 1 or 2.0 -> 2
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
-class TextBlock(_Body):
+class TextBlock(StrictBody):
     type: Literal["text"]
     text: str
     cache_control: CacheControl | None = None
     citations: list[dict[str, Any]] | None = None  # as a replayed answer carries them
 
 
-class ToolUseBlock(_Body):
+class ToolUseBlock(StrictBody):
     """A call the assistant made, sent back in the history."""
 
     type: Literal["tool_use"]
@@ -81,7 +78,7 @@ class ToolUseBlock(_Body):
     cache_control: CacheControl | None = None
 
 
-class ToolResultBlock(_Body):
+class ToolResultBlock(StrictBody):
     """The client's answer to a ``tool_use``, in a user message."""
 
     type: Literal["tool_result"]
@@ -96,13 +93,13 @@ class ToolResultBlock(_Body):
         return f"Error: {text}" if self.is_error else text
 
 
-class ThinkingBlock(_Body):
+class ThinkingBlock(StrictBody):
     type: Literal["thinking"]
     thinking: str
     signature: str | None = None
 
 
-class RedactedThinkingBlock(_Body):
+class RedactedThinkingBlock(StrictBody):
     type: Literal["redacted_thinking"]
     data: str
 
@@ -113,12 +110,12 @@ ContentBlock = Annotated[
 BLOCK_TYPES = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
 
 
-class MessageParam(_Body):
+class MessageParam(StrictBody):
     role: Literal["user", "assistant"]
     content: str | list[ContentBlock]
 
 
-class ToolParam(_Body):
+class ToolParam(StrictBody):
     """A client tool; Anthropic's server tools (``web_search_...``) are not served."""
 
     name: str
@@ -134,13 +131,13 @@ class ToolParam(_Body):
         return {"type": "function", "function": function}
 
 
-class ToolChoiceParam(_Body):
+class ToolChoiceParam(StrictBody):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None  # type "tool": the tool to call
     disable_parallel_tool_use: bool | None = None
 
 
-class ThinkingParam(_Body):
+class ThinkingParam(StrictBody):
     """Accepted, ignored: the served model's answer has no thinking blocks."""
 
     type: Literal["enabled", "disabled", "adaptive", "between_tools"]
@@ -148,12 +145,12 @@ class ThinkingParam(_Body):
     display: Literal["summarized", "omitted"] | None = None
 
 
-class JsonOutputFormat(_Body):
+class JsonOutputFormat(StrictBody):
     type: Literal["json_schema"]
     schema_: dict[str, Any] = Field(alias="schema")
 
 
-class OutputConfig(_Body):
+class OutputConfig(StrictBody):
     """``format``: the answer is JSON of this schema (structured output); ``effort`` is
     accepted and ignored."""
 
@@ -161,11 +158,11 @@ class OutputConfig(_Body):
     format: JsonOutputFormat | None = None
 
 
-class Metadata(_Body):
+class Metadata(StrictBody):
     user_id: str | None = None
 
 
-class _Conversation(_Body):
+class _Conversation(StrictBody):
     """What both endpoints take: the conversation and its tools."""
 
     model: str

@@ -37,8 +37,11 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default; chat defaults to the ro
 MAX_MESSAGES = 2048  # messages in one chat request
 
 
-class _Body(BaseModel):
-    # strict: no "10" -> 10, true -> 1 or 2.0 -> 2 (an int where a float goes is fine)
+class StrictBody(BaseModel):
+    """The base of every HTTP API body (OpenAI's, the Responses API's, Anthropic's):
+    unknown fields refused, no NaN/Infinity, and strict types: no "10" -> 10, true -> 1
+    or 2.0 -> 2 (an int where a float goes is fine)."""
+
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
@@ -67,27 +70,32 @@ def lone_surrogate_at(value: Any, path: str = "") -> str | None:
     return None
 
 
-class _Request(_Body):
+def check_text(data: Any) -> None:
+    """A 400 naming the field if parsed JSON holds a lone surrogate anywhere (an
+    ``ApiError``, so no error message ever echoes it: it could not be encoded)."""
+    where = lone_surrogate_at(data)
+    if where is not None:
+        raise bad_request(f"{where}: contains a lone surrogate (\\ud800-\\udfff), which "
+                          "is not text", where.split(".")[0].split("[")[0])
+
+
+class RequestBody(StrictBody):
     """A whole request body: every string in it must be text (no lone surrogates)."""
 
     @model_validator(mode="before")
     @classmethod
     def _text_only(cls, data: Any) -> Any:
-        where = lone_surrogate_at(data)
-        if where is not None:
-            # an ApiError, not a ValueError: the 400 names the field, and no error message
-            # ever echoes the surrogate (it could not be encoded into the answer)
-            raise bad_request(f"{where}: contains a lone surrogate (\\ud800-\\udfff), which "
-                              "is not text", where.split(".")[0].split("[")[0])
+        # an ApiError, not a ValueError: pydantic passes it through to the handler
+        check_text(data)
         return data
 
 
-class StreamOptions(_Body):
+class StreamOptions(StrictBody):
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False  # vLLM: usage on every chunk too
 
 
-class JsonSchemaFormat(_Body):
+class JsonSchemaFormat(StrictBody):
     """OpenAI's ``response_format.json_schema``; ``strict`` is accepted: the schema is
     always enforced."""
 
@@ -97,12 +105,12 @@ class JsonSchemaFormat(_Body):
     strict: bool | None = None
 
 
-class ResponseFormat(_Body):
+class ResponseFormat(StrictBody):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class StructuredOutputsBody(_Body):
+class StructuredOutputsBody(StrictBody):
     """vLLM's ``structured_outputs`` extra body: exactly one of these."""
 
     json_: str | dict[str, Any] | None = Field(default=None, alias="json")
@@ -118,7 +126,7 @@ class StructuredOutputsBody(_Body):
                                        grammar=self.grammar, json_object=bool(self.json_object))
 
 
-class _Sampling(_Request):
+class _Sampling(RequestBody):
     """The parameters both generation endpoints take; None means the default."""
 
     model: str | None = None
@@ -186,7 +194,7 @@ class _Sampling(_Request):
             "frequency_penalty": self.frequency_penalty,
             "repetition_penalty": self.repetition_penalty, "stop_token_ids": self.stop_token_ids,
             "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens, "logprobs": logprobs,
-            "logit_bias": _logit_bias(self.logit_bias),
+            "logit_bias": logit_bias_ids(self.logit_bias),
             "structured_outputs": self._structured_outputs(),
             "truncate_prompt_tokens": self.truncate_prompt_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output or self.no_stop_trim,
@@ -300,38 +308,38 @@ class CompletionRequest(_Sampling):
                 for p in self.prompts()]
 
 
-class TextPart(_Body):
+class TextPart(StrictBody):
     type: Literal["text"]
     text: str
 
 
-class FunctionBody(_Body):
+class FunctionBody(StrictBody):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema
     strict: bool | None = None  # accepted; required/named calls follow the schema anyway
 
 
-class ToolBody(_Body):
+class ToolBody(StrictBody):
     type: Literal["function"]
     function: FunctionBody
 
 
-class NamedFunction(_Body):
+class NamedFunction(StrictBody):
     name: str
 
 
-class ToolChoiceBody(_Body):
+class ToolChoiceBody(StrictBody):
     type: Literal["function"]
     function: NamedFunction
 
 
-class ToolCallFunction(_Body):
+class ToolCallFunction(StrictBody):
     name: str
     arguments: str  # JSON text, as OpenAI returns it
 
 
-class ToolCallBody(_Body):
+class ToolCallBody(StrictBody):
     """A call an assistant message made, sent back in the history."""
 
     id: str
@@ -339,7 +347,7 @@ class ToolCallBody(_Body):
     function: ToolCallFunction
 
 
-class ChatMessageBody(_Body):
+class ChatMessageBody(StrictBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]  # OpenAI's roles
     content: str | list[TextPart] | None = None  # None: an assistant turn with tool_calls
     tool_calls: list[ToolCallBody] | None = None  # role "assistant"
@@ -415,7 +423,7 @@ class ChatCompletionRequest(_Sampling):
             raise bad_request(str(e), e.param) from None
 
 
-class TokenizeRequest(_Request):
+class TokenizeRequest(RequestBody):
     """vLLM's /tokenize: a prompt, or chat messages through the template."""
 
     model: str | None = None
@@ -429,7 +437,7 @@ class TokenizeRequest(_Request):
     return_token_strs: bool | None = False  # each token's string, as the tokenizer names it
 
 
-def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+def logit_bias_ids(bias: dict[str, float] | None) -> dict[int, float] | None:
     """OpenAI's JSON keys are token ids as strings; SamplingParams checks the bounds."""
     if bias is None:
         return None
@@ -455,7 +463,7 @@ def template_tools(tools: list[ToolBody] | None) -> list[dict[str, Any]] | None:
     return dicts
 
 
-class DetokenizeRequest(_Request):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[int]
 

@@ -31,13 +31,15 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError
 
 from services.tokenizer.http_errors import bad_request
 from services.tokenizer.http_protocol import (
     MAX_MESSAGES,
+    RequestBody,
+    StrictBody,
     StructuredOutputsBody,
-    lone_surrogate_at,
+    logit_bias_ids,
 )
 from services.tokenizer.input_processor import ChatTurn, InvalidRequest, chat_turn
 from services.tokenizer.tool_calls import ToolRequest, ToolRequestError, tool_request
@@ -55,17 +57,14 @@ MAX_METADATA, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512  # OpenAI's bou
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 
 
-class _Body(BaseModel):
-    # as the chat bodies: nothing coerced ("10" is no int), no NaN or Infinity
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
-class InputText(_Body):
+class InputText(StrictBody):
     type: Literal["input_text"]
     text: str
 
 
-class OutputText(_Body):
+class OutputText(StrictBody):
     """An assistant's text, as an earlier response's output gives it back."""
 
     type: Literal["output_text"]
@@ -74,7 +73,7 @@ class OutputText(_Body):
     logprobs: list[Any] | None = None
 
 
-class MessageItem(_Body):
+class MessageItem(StrictBody):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
     content: str | list[dict[str, Any]]
@@ -85,14 +84,14 @@ class MessageItem(_Body):
     def text(self, where: str) -> str:
         if isinstance(self.content, str):
             return self.content
-        parts: dict[str, type[_Body]] = {"input_text": InputText, "output_text": OutputText}
+        parts: dict[str, type[StrictBody]] = {"input_text": InputText, "output_text": OutputText}
         texts = []
         for j, raw in enumerate(self.content):
             texts.append(_parse(parts, raw, f"{where}.content[{j}]", "content part").text)
         return "\n".join(texts)
 
 
-class FunctionCallItem(_Body):
+class FunctionCallItem(StrictBody):
     """A call an earlier answer made (Responses' ``function_call`` output item)."""
 
     type: Literal["function_call"]
@@ -103,7 +102,7 @@ class FunctionCallItem(_Body):
     status: str | None = None
 
 
-class FunctionCallOutputItem(_Body):
+class FunctionCallOutputItem(StrictBody):
     """The result of a call, sent back by the client."""
 
     type: Literal["function_call_output"]
@@ -119,11 +118,11 @@ class FunctionCallOutputItem(_Body):
 
 
 Item = MessageItem | FunctionCallItem | FunctionCallOutputItem
-ITEMS: dict[str, type[_Body]] = {"message": MessageItem, "function_call": FunctionCallItem,
+ITEMS: dict[str, type[StrictBody]] = {"message": MessageItem, "function_call": FunctionCallItem,
                                   "function_call_output": FunctionCallOutputItem}
 
 
-class FunctionTool(_Body):
+class FunctionTool(StrictBody):
     type: Literal["function"]
     name: str
     description: str | None = None
@@ -135,7 +134,7 @@ class FunctionTool(_Body):
         return {"type": "function", "function": function}
 
 
-class TextFormat(_Body):
+class TextFormat(StrictBody):
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None  # json_schema
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
@@ -143,12 +142,12 @@ class TextFormat(_Body):
     strict: bool | None = None  # accepted: the schema is always enforced
 
 
-class TextConfig(_Body):
+class TextConfig(StrictBody):
     format: TextFormat | None = None
     verbosity: Literal["medium"] | None = None  # a hint for other models; only the default
 
 
-class ResponsesRequest(_Body):
+class ResponsesRequest(RequestBody):
     model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None
@@ -191,17 +190,6 @@ class ResponsesRequest(_Body):
     stream_options: Any = None
     context_management: Any = None
     truncation: Any = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _text_only(cls, data: Any) -> Any:
-        """A lone surrogate (JSON's ``"\\ud800"``) is no text: it could be neither
-        tokenized nor echoed back, so it is a 400 naming the field."""
-        where = lone_surrogate_at(data)
-        if where is not None:
-            raise bad_request(f"{where}: contains a lone surrogate (\\ud800-\\udfff), which "
-                              "is not text", where.split(".")[0].split("[")[0])
-        return data
 
     def check(self) -> None:
         """400 for a field this server does not serve, or metadata over OpenAI's bounds."""
@@ -260,7 +248,7 @@ class ResponsesRequest(_Body):
             "stop": [self.stop] if isinstance(self.stop, str) else self.stop,
             "ignore_eos": self.ignore_eos,
             "include_stop_str_in_output": self.include_stop_str_in_output,
-            "logit_bias": self._logit_bias(),
+            "logit_bias": logit_bias_ids(self.logit_bias),
             "structured_outputs": self._structured_outputs(),
         }
         given = {k: v for k, v in values.items() if v is not None}
@@ -268,14 +256,6 @@ class ResponsesRequest(_Body):
             return SamplingParams(max_tokens=self.max_output_tokens, **given)
         except SamplingParamsError as e:
             raise bad_request(str(e), e.param) from None
-
-    def _logit_bias(self) -> dict[int, float] | None:
-        if self.logit_bias is None:
-            return None
-        try:
-            return {int(key): value for key, value in self.logit_bias.items()}
-        except ValueError:
-            raise bad_request("logit_bias keys must be token ids (integers)", "logit_bias") from None
 
     def _structured_outputs(self) -> StructuredOutputsParams | None:
         fmt = self.text.format if self.text is not None else None
@@ -331,7 +311,7 @@ class _Turn:
     tool_call_id: str | None = None
 
 
-def _parse(kinds: dict[str, type[_Body]], raw: Any, where: str, what: str) -> Any:
+def _parse(kinds: dict[str, type[StrictBody]], raw: Any, where: str, what: str) -> Any:
     """``raw`` as the body its ``type`` names, or a 400 saying where and what is wrong."""
     param = where.split("[", 1)[0]
     if not isinstance(raw, dict):
