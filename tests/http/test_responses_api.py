@@ -26,7 +26,7 @@ import pytest
 
 from services.tokenizer.input_processor import ChatTurn
 from services.tokenizer.responses_store import ResponsesStore, StoredResponse
-from support.live_stack import LiveStack, assert_idle_and_clean, openai_client, serving
+from support.live_stack import LiveStack, assert_idle_and_clean, served_client, serving
 from support.tool_model import make_tool_model
 
 pytestmark = pytest.mark.slow
@@ -54,9 +54,7 @@ def stack(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 @pytest.fixture(scope="module")
 def client(stack: LiveStack) -> openai.OpenAI:
-    c = openai_client(stack)
-    c.model = c.models.list().data[0].id  # type: ignore[attr-defined]
-    return c
+    return served_client(stack)
 
 
 def chat(client: openai.OpenAI, messages: list[dict[str, Any]], max_tokens: int,

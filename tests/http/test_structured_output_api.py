@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from pagoda.client import Client
-from support.live_stack import LiveStack, assert_idle_and_clean, openai_client, serving
+from support.live_stack import LiveStack, assert_idle_and_clean, served_client, serving
 
 pytestmark = pytest.mark.slow
 
@@ -47,9 +47,7 @@ def stack(tiny_smollm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
 
 @pytest.fixture(scope="module")
 def client(stack: LiveStack) -> openai.OpenAI:
-    c = openai_client(stack)
-    c.model = c.models.list().data[0].id  # type: ignore[attr-defined]
-    return c
+    return served_client(stack)
 
 
 def valid(text: str) -> dict[str, Any]:

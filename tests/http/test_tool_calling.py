@@ -25,7 +25,7 @@ import openai
 import pytest
 
 from pagoda.client import Client, InvalidRequestError
-from support.live_stack import LiveStack, assert_idle_and_clean, openai_client, serving
+from support.live_stack import LiveStack, assert_idle_and_clean, served_client, serving
 from support.tool_model import make_tool_model
 
 pytestmark = pytest.mark.slow
@@ -61,9 +61,7 @@ def stack(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 @pytest.fixture(scope="module")
 def client(stack: LiveStack) -> openai.OpenAI:
-    c = openai_client(stack)
-    c.model = c.models.list().data[0].id  # type: ignore[attr-defined]
-    return c
+    return served_client(stack)
 
 
 def tokenize(stack: LiveStack, messages: list[dict[str, Any]], tools: list[Any] | None) -> Any:

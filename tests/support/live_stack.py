@@ -104,6 +104,13 @@ def openai_client(stack: LiveStack) -> openai.OpenAI:
     return openai.OpenAI(base_url=stack.http, api_key="unused", max_retries=0, timeout=120)
 
 
+def served_client(stack: LiveStack) -> openai.OpenAI:
+    """``openai_client`` with ``.model`` set to the id the stack serves (its /v1/models)."""
+    c = openai_client(stack)
+    c.model = c.models.list().data[0].id  # type: ignore[attr-defined]
+    return c
+
+
 def assert_idle_and_clean(stack: LiveStack, after: int) -> None:
     """The scheduler's last idle line since log offset ``after``: nothing running or
     waiting, every KV block back, block accounting intact."""
