@@ -37,6 +37,8 @@ def _build_parser() -> argparse.ArgumentParser:
     health = sub.add_parser("health", help="exit 0 if a tcp:// endpoint accepts connections")
     health.add_argument("address", help="tcp://host:port")
     health.add_argument("--timeout", type=float, default=3.0)
+    keys = sub.add_parser("keys", help="write CURVE keys for the ZMQ plane (--curve-keys DIR)")
+    keys.add_argument("directory")
     gen = sub.add_parser("generate", help="generate completions for prompts, offline")
     gen.add_argument("prompts", nargs="+")
     _add_engine_args(gen)
@@ -107,6 +109,20 @@ def _health(address: str, timeout: float) -> int:
     return 0
 
 
+def _keys(directory: str) -> int:
+    from shared.curve import AUTHORIZED_DIR, CurveError, generate_keys
+
+    try:
+        root = generate_keys(directory)
+    except (CurveError, OSError) as e:
+        print(f"pagoda keys: {e}", file=sys.stderr)
+        return 1
+    print(f"CURVE keys in {root}: server.key_secret for the binding roles (scheduler, "
+          f"frontends), client.key_secret for the connecting ones (workers, frontends, "
+          f"clients), {AUTHORIZED_DIR}/ the client keys a server lets in")
+    return 0
+
+
 def _resolve_role_model(argv: list[str]) -> list[str]:
     """``argv`` for a role that loads the model, with ``--model`` set to the local directory
     of the model it names (flag > PAGODA_MODEL > default; an alias is fetched once into
@@ -167,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         return fetch_main([args.name] + (["--cache-dir", args.cache_dir] if args.cache_dir else []))
     if args.command == "health":
         return _health(args.address, args.timeout)
+    if args.command == "keys":
+        return _keys(args.directory)
     from shared.sampling_params import SamplingParamsError
 
     try:

@@ -29,12 +29,14 @@ import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Self
 
 import zmq
 import zmq.asyncio
 
 from shared.codec import EncodeError, MalformedFrameCounter, encode, safe_decode
+from shared.curve import CurveKeys
 from shared.ipc import make_socket
 from shared.protocol import (
     FRONTEND_TO_CLIENT,
@@ -249,6 +251,12 @@ def _message(m: Mapping[str, Any]) -> ChatMessage:
     return ChatMessage(m["role"], m["content"], calls, m.get("tool_call_id"), m.get("name"))
 
 
+def _curve(directory: str | Path | None) -> CurveKeys | None:
+    """CURVE keys for a frontend that runs with ``--curve-keys``: the directory needs
+    ``server.key`` and ``client.key_secret`` (a key in the frontend's allow-list)."""
+    return None if directory is None else CurveKeys.load(directory)
+
+
 class _Base:
     def __init__(self, timeout: float | None) -> None:
         self.timeout = timeout
@@ -270,10 +278,11 @@ _DEFAULT: Any = object()  # "use the client's timeout"
 class Client(_Base):
     """A blocking client of one frontend. Not thread-safe: one per thread."""
 
-    def __init__(self, address: str, timeout: float | None = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(self, address: str, timeout: float | None = DEFAULT_TIMEOUT_S, *,
+                 curve_keys: str | Path | None = None) -> None:
         super().__init__(timeout)
         self._ctx: zmq.Context[Any] = zmq.Context()
-        self._sock = make_socket(self._ctx, zmq.DEALER, address)
+        self._sock = make_socket(self._ctx, zmq.DEALER, address, curve=_curve(curve_keys))
         self._buffers: dict[str, deque[GenerateOutput | RequestError]] = {}
 
     def generate(self, prompt: str | Sequence[int] | None = None, *,
@@ -353,10 +362,11 @@ class Client(_Base):
 class AsyncClient(_Base):
     """An asyncio client of one frontend; concurrent requests share one socket."""
 
-    def __init__(self, address: str, timeout: float | None = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(self, address: str, timeout: float | None = DEFAULT_TIMEOUT_S, *,
+                 curve_keys: str | Path | None = None) -> None:
         super().__init__(timeout)
         self._ctx = zmq.asyncio.Context()
-        self._sock = make_socket(self._ctx, zmq.DEALER, address)
+        self._sock = make_socket(self._ctx, zmq.DEALER, address, curve=_curve(curve_keys))
         self._queues: dict[str, asyncio.Queue[GenerateOutput | RequestError]] = {}
         self._recv_task: asyncio.Task[None] | None = None
 

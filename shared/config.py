@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.codec import MAX_FRAME_BYTES
+from shared.curve import CurveError, CurveKeys, require_curve_support
 from shared.faults import Fault
 from shared.ipc import DEFAULT_HWM, check_address
 
@@ -182,7 +183,10 @@ class ProcessSettings:
     allowed_methods: str = "*"
     allowed_headers: str = "*"
     allow_credentials: bool = False
-    allow_wildcard_bind: bool = False  # only on an isolated network (compose internal net)
+    # a wildcard or non-loopback ZMQ bind without CURVE: only on an isolated network
+    allow_wildcard_bind: bool = False
+    # CURVE on every ZMQ link: a directory of key files (shared/curve.py; `pagoda keys DIR`)
+    curve_keys: str | None = None
     socket_hwm: int = DEFAULT_HWM
     max_frame_bytes: int = MAX_FRAME_BYTES
     startup_timeout_s: float = 300.0  # for a child's ready report (model load included)
@@ -239,9 +243,34 @@ class ProcessSettings:
                 check_address(self.kv_events_endpoint)
             except ValueError as e:
                 raise ConfigError(f"kv_events_endpoint: {e}") from None
+        if self.curve_keys is not None:
+            try:
+                require_curve_support()
+            except CurveError as e:
+                raise ConfigError(str(e)) from None
         if self.kv_events_encoding not in KV_EVENTS_ENCODINGS:
             raise ConfigError(f"kv_events_encoding: must be one of "
                               f"{', '.join(KV_EVENTS_ENCODINGS)}, got {self.kv_events_encoding!r}")
+
+    def load_curve_keys(self, *, binds: bool = False, connects: bool = False) -> CurveKeys | None:
+        """The CURVE keys of ``curve_keys``, or None when the plane runs without CURVE.
+
+        ``binds`` / ``connects``: the role binds (needs the server pair and the allow-
+        list) or connects (needs the client pair); checked now, so a role missing a key
+        file refuses to start with the file's name instead of failing at its first link.
+        """
+        if self.curve_keys is None:
+            return None
+        try:
+            keys = CurveKeys.load(self.curve_keys)
+            if binds:
+                keys.server_pair()
+                keys.authorized_clients()
+            if connects:
+                keys.client_pair()
+        except CurveError as e:
+            raise ConfigError(f"curve_keys: {e}") from None
+        return keys
 
 
 @dataclass(frozen=True)
@@ -382,7 +411,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("allow_credentials", "process", _parse_bool, _PROC.allow_credentials,
             "CORS: allow credentials (cookies, Authorization)"),
     Setting("allow_wildcard_bind", "process", _parse_bool, _PROC.allow_wildcard_bind,
-            "allow binding tcp://* or 0.0.0.0 (isolated networks only)"),
+            "allow a ZMQ bind on tcp://*, 0.0.0.0 or a non-loopback host without CURVE "
+            "(isolated networks only)"),
+    Setting("curve_keys", "process", _optional(str), None,
+            "encrypt and authenticate every ZMQ link with the CURVE keys in this directory "
+            "(make them with `pagoda keys DIR`)"),
     Setting("socket_hwm", "process", int, _PROC.socket_hwm, "ZMQ high-water mark (messages)"),
     Setting("max_frame_bytes", "process", _parse_bytes, _PROC.max_frame_bytes,
             "largest ZMQ frame accepted"),

@@ -8,7 +8,14 @@ runs it. Its value is ``<role>_<action>_after=<N>``: the role's process, on its 
 - ``worker_raise_after=N``: the worker raises (an exception in the forward pass);
 - ``worker_hang_after=N``: the worker never finishes the step (the step watchdog's case);
 - ``worker_exit_after=N``: the worker process exits at once with status 3;
-- ``scheduler_exit_after=N``: the scheduler process exits at once with status 3, mid-step.
+- ``worker_drop_after=N`` / ``worker_dup_after=N``: rank 0 does the step but never sends
+  its result frame, or sends it twice (a lost or a repeated frame on the result link);
+- ``scheduler_exit_after=N``: the scheduler process exits at once with status 3, mid-step;
+- ``scheduler_raise_after=N``: the scheduler's loop raises on its N-th step (a bug that
+  kills the loop thread);
+- ``frontend_exit_after=N``: a frontend exits with status 3 on its N-th request;
+- ``frontend_raise_after=N``: a frontend's receive loop (the task that reads the
+  scheduler link) raises on its N-th message.
 
 Tests use it where killing a process from outside could not pick the moment.
 """
@@ -19,8 +26,15 @@ import os
 import threading
 from dataclasses import dataclass
 
-ROLES = ("worker", "scheduler")
-ACTIONS = ("raise", "hang", "exit")
+# what each role can be made to do
+ACTIONS_BY_ROLE = {
+    "worker": ("raise", "hang", "exit", "drop", "dup"),
+    "scheduler": ("raise", "exit"),
+    "frontend": ("raise", "exit"),
+}
+ROLES = tuple(ACTIONS_BY_ROLE)
+ACTIONS = ("raise", "hang", "exit", "drop", "dup")
+FRAME_ACTIONS = ("drop", "dup")  # the caller acts on these: step() returns them
 EXIT_STATUS = 3
 
 
@@ -43,26 +57,35 @@ class Fault:
                 or parts[2] != "after" or not count.isdigit() or int(count) < 1):
             raise ValueError(f"fault {text!r}: expected <role>_<action>_after=<N>, role one of "
                              f"{', '.join(ROLES)}, action one of {', '.join(ACTIONS)}, N >= 1")
-        if parts[0] == "scheduler" and parts[1] != "exit":
-            raise ValueError(f"fault {text!r}: the scheduler can only exit")
+        if parts[1] not in ACTIONS_BY_ROLE[parts[0]]:
+            raise ValueError(f"fault {text!r}: a {parts[0]} can only "
+                             f"{', '.join(ACTIONS_BY_ROLE[parts[0]])}")
         return cls(parts[0], parts[1], int(count))
 
 
 class FaultPoint:
     """Where one process counts its steps; ``step()`` fails the one the fault names."""
 
-    def __init__(self, role: str, setting: str | None) -> None:
+    def __init__(self, role: str, setting: str | None,
+                 actions: tuple[str, ...] = ACTIONS) -> None:
+        """Armed when ``setting`` names ``role`` and one of ``actions`` (a process with
+        two counting places, e.g. requests and messages, has one point for each)."""
         fault = Fault.parse(setting) if setting else None
-        self._fault = fault if fault is not None and fault.role == role else None
+        armed = fault is not None and fault.role == role and fault.action in actions
+        self._fault = fault if armed else None
         self._steps = 0
 
-    def step(self) -> None:
+    def step(self) -> str | None:
+        """Count one step; on the fault's step raise, hang or exit, or return ``drop`` /
+        ``dup`` for the caller to do to the frame it was about to send. None otherwise."""
         fault = self._fault
         if fault is None:
-            return
+            return None
         self._steps += 1
         if self._steps != fault.after:
-            return
+            return None
+        if fault.action in FRAME_ACTIONS:
+            return fault.action
         if fault.action == "raise":
             raise InjectedFault(f"injected fault: {fault.role}_{fault.action}_after={fault.after}")
         if fault.action == "hang":

@@ -32,6 +32,7 @@ from typing import Any
 import zmq
 
 from shared.codec import MAX_FRAME_BYTES
+from shared.curve import ZAP_DOMAIN, CurveKeys
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,20 @@ def is_wildcard(address: str) -> bool:
         return False  # a host name or an interface name binds that one interface
 
 
+def is_exposed(address: str) -> bool:
+    """True for a TCP address other hosts may reach: a wildcard, or any host that is not
+    loopback (a host name other than ``localhost`` counts as exposed)."""
+    host = parse_tcp_host(address)
+    if host is None:
+        return False
+    if host in ("*", "localhost"):
+        return host == "*"
+    try:
+        return not ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return True
+
+
 def check_address(address: str) -> None:
     """Raise AddressError unless ``address`` is a usable tcp://, ipc:// or inproc:// one."""
     if address.startswith("tcp://"):
@@ -104,6 +119,7 @@ def make_socket(
     linger_ms: int = DEFAULT_LINGER_MS,
     heartbeat_ms: int | None = DEFAULT_HEARTBEAT_MS,
     allow_wildcard: bool = False,
+    curve: CurveKeys | None = None,
 ) -> zmq.Socket[Any]:
     """A configured socket, bound or connected to ``address``.
 
@@ -119,11 +135,12 @@ def make_socket(
         else:
             raise ValueError(f"socket type {socket_type}: say bind=True or bind=False")
     check_address(address)
-    if bind and is_wildcard(address) and not allow_wildcard:
+    if bind and curve is None and is_exposed(address) and not allow_wildcard:
         raise AddressError(
-            f"refusing to bind {address}: a wildcard bind exposes the unauthenticated ZMQ "
-            "plane on every interface; bind 127.0.0.1 or an ipc:// path, or allow it "
-            "explicitly (PAGODA_ALLOW_WILDCARD_BIND=1) on an isolated network"
+            f"refusing to bind {address}: a wildcard or non-loopback bind exposes the ZMQ "
+            "plane to other hosts without authentication; give CURVE keys (--curve-keys), "
+            "bind 127.0.0.1 or an ipc:// path, or allow it explicitly "
+            "(PAGODA_ALLOW_WILDCARD_BIND=1) on an isolated network"
         )
     sock = ctx.socket(socket_type)
     try:
@@ -146,10 +163,15 @@ def make_socket(
         elif socket_type == zmq.SUB:
             sock.setsockopt(zmq.SUBSCRIBE, b"")
         if bind:
+            sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
+            if curve is not None:
+                curve.secure_server(sock)
             if address.startswith("ipc://"):
                 _warn_if_shared_dir(Path(address[len("ipc://"):]).parent)
             sock.bind(address)
         else:
+            if curve is not None:
+                curve.secure_client(sock)
             sock.connect(address)
     except BaseException:
         sock.close(linger=0)

@@ -34,6 +34,7 @@ from services.scheduler.scheduler import Scheduler, SchedulerConfig
 from services.scheduler.structured_output import StructuredOutputManager
 from shared.codec import MalformedFrameCounter, safe_decode
 from shared.config import PagodaConfig
+from shared.curve import ZapAuthenticator, start_authenticator
 from shared.ipc import make_socket, wait_for_subscribers
 from shared.protocol import WORKER_TO_SCHEDULER, WorkerReady
 
@@ -52,16 +53,20 @@ class SchedulerSockets:
     results: zmq.Socket[Any]
     addresses: tuple[str, ...]  # the bound ones, whose ipc files we remove
     kv_events: KVEventPublisher | None = None
+    authenticator: ZapAuthenticator | None = None  # with CURVE: who may connect
 
     @classmethod
     def bind(cls, config: PagodaConfig) -> SchedulerSockets:
         ep, proc = config.endpoints, config.process
+        curve = proc.load_curve_keys()
         opts: dict[str, Any] = {"sndhwm": proc.socket_hwm, "rcvhwm": proc.socket_hwm,
                                 "max_msg_size": proc.max_frame_bytes,
-                                "allow_wildcard": proc.allow_wildcard_bind}
+                                "allow_wildcard": proc.allow_wildcard_bind, "curve": curve}
         ctx: zmq.Context[Any] = zmq.Context()
         opened: list[zmq.Socket[Any]] = []
+        authenticator = None
         try:
+            authenticator = start_authenticator(ctx, curve)
             for kind, address in ((zmq.ROUTER, ep.scheduler_frontend), (zmq.XPUB, ep.scheduler_step),
                                   (zmq.PULL, ep.scheduler_result)):
                 opened.append(make_socket(ctx, kind, address, **opts))
@@ -72,23 +77,28 @@ class SchedulerSockets:
                 kv_events = KVEventPublisher.open(
                     ctx, proc.kv_events_endpoint, topic=proc.kv_events_topic,
                     encoding=proc.kv_events_encoding, hwm=proc.socket_hwm,
-                    allow_wildcard=proc.allow_wildcard_bind)
+                    allow_wildcard=proc.allow_wildcard_bind, curve=curve)
                 opened.append(kv_events.sock)
                 if proc.kv_events_endpoint.startswith("ipc://"):
                     addresses += (proc.kv_events_endpoint,)
         except BaseException:
             for sock in opened:
                 sock.close(linger=0)
+            if authenticator is not None:
+                authenticator.stop()
             ctx.term()
             raise
         frontends, steps, results = opened[:3]
-        return cls(ctx, frontends, steps, results, addresses=addresses, kv_events=kv_events)
+        return cls(ctx, frontends, steps, results, addresses=addresses, kv_events=kv_events,
+                   authenticator=authenticator)
 
     def close(self) -> None:
         for sock in (self.frontends, self.steps, self.results):
             sock.close()
         if self.kv_events is not None:
             self.kv_events.close()
+        if self.authenticator is not None:
+            self.authenticator.stop()
         self.ctx.term()
         # libzmq leaves ipc:// socket files behind; the binder removes its own
         for address in self.addresses:

@@ -35,6 +35,7 @@ import msgspec
 import zmq
 
 from shared.config import KV_EVENTS_ENCODINGS
+from shared.curve import CurveKeys
 from shared.ipc import is_wildcard, make_socket
 
 log = logging.getLogger("pagoda.scheduler.kv_events")
@@ -99,6 +100,12 @@ def as_array(event: KVCacheEvent) -> list[Any]:
     return [type(event).__name__, *msgspec.structs.astuple(event)]
 
 
+def binds_endpoint(endpoint: str) -> bool:
+    """Whether the publisher binds ``endpoint`` (a wildcard, ipc:// or inproc:// one) or
+    connects to it (``tcp://host:port``: a subscriber that binds, as vLLM does it)."""
+    return is_wildcard(endpoint) or not endpoint.startswith("tcp://")
+
+
 class KVEventPublisher:
     """One PUB-style socket; ``publish`` once per step. Counts what it could not send."""
 
@@ -117,10 +124,11 @@ class KVEventPublisher:
 
     @classmethod
     def open(cls, ctx: zmq.Context[Any], endpoint: str, *, topic: str = "", encoding: str = "map",
-             hwm: int = 10_000, allow_wildcard: bool = False) -> KVEventPublisher:
-        bind = is_wildcard(endpoint) or not endpoint.startswith("tcp://")
+             hwm: int = 10_000, allow_wildcard: bool = False,
+             curve: CurveKeys | None = None) -> KVEventPublisher:
+        bind = binds_endpoint(endpoint)
         sock = make_socket(ctx, zmq.XPUB, endpoint, bind=bind, sndhwm=hwm, rcvhwm=hwm,
-                           allow_wildcard=allow_wildcard)
+                           allow_wildcard=allow_wildcard, curve=curve)
         try:
             return cls(sock, topic, encoding)
         except BaseException:

@@ -118,9 +118,21 @@ class SchedulerLoop:
             return 0
         except EngineDeadError as e:
             log.error("engine dead: %s", e)
-            self._abort_everything(f"engine error: {e}", code="engine_error")
-            self._tell_frontends_engine_dead(f"engine error: {e}")
+            self._fail_everything(f"engine error: {e}")
             return 1
+        except Exception as e:  # a bug in the loop: as fast and loud as a dead engine
+            log.exception("the scheduler loop failed")
+            self._fail_everything(f"engine error: the scheduler loop failed: {e}"[:500])
+            return 1
+
+    def _fail_everything(self, message: str) -> None:
+        """Every request fails with engine_error and every frontend hears the engine is
+        dead; best effort, since the loop's own state may be what broke."""
+        try:
+            self._abort_everything(message, code="engine_error")
+        except Exception:  # the frontends must still be told below
+            log.exception("aborting the requests failed; the frontends fail them on notice")
+        self._tell_frontends_engine_dead(message)
 
     def _poll_timeout_ms(self) -> int:
         if self._in_flight is None:
@@ -147,7 +159,7 @@ class SchedulerLoop:
             # nothing for the workers (only grammars compiling): the step ends here
             self._complete(batch, StepResult(step_id=batch.step_id))
             return
-        self._fault.step()  # tests only (shared/faults.py): exits here, a step in flight
+        self._fault.step()  # tests only (shared/faults.py): exits or raises, a step in flight
         try:
             self.sockets.steps.send(encode(batch), flags=zmq.NOBLOCK)
         except zmq.Again:

@@ -16,10 +16,13 @@ import signal
 import sys
 import threading
 
+import zmq
+
 from services.scheduler.handshake import EngineDeadError, SchedulerSockets, wait_for_workers
+from services.scheduler.kv_events import binds_endpoint
 from services.scheduler.loop import SchedulerLoop
 from shared.codec import MalformedFrameCounter
-from shared.config import add_arguments, load_config
+from shared.config import ConfigError, add_arguments, load_config
 from shared.ipc import report_ready
 
 log = logging.getLogger("pagoda.scheduler")
@@ -31,12 +34,23 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s scheduler %(levelname)s %(message)s")
-    config = load_config(args)
+    try:
+        config = load_config(args)
+        kv_events = config.process.kv_events_endpoint
+        config.process.load_curve_keys(  # a connected KV events socket is a CURVE client
+            binds=True, connects=kv_events is not None and not binds_endpoint(kv_events))
+    except ConfigError as e:
+        print(f"pagoda scheduler: {e}", file=sys.stderr)
+        return 2
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     counter = MalformedFrameCounter(log)
-    sockets = SchedulerSockets.bind(config)
+    try:
+        sockets = SchedulerSockets.bind(config)
+    except (ValueError, zmq.ZMQError) as e:  # an address refused or in use
+        log.error("start-up failed: %s", e)
+        return 1
     try:
         try:
             sched = wait_for_workers(sockets, config, counter, stop)

@@ -34,6 +34,7 @@ from services.tokenizer.anthropic_responses import MessagesShape, error_body, er
 from services.tokenizer.http_errors import RETRY_AFTER_S, ApiError, bad_request
 from services.tokenizer.http_protocol import check_model, check_text
 from services.tokenizer.http_requests import HttpRequests
+from services.tokenizer.input_processor import InvalidRequest
 
 log = logging.getLogger("pagoda.frontend.http")
 Body = TypeVar("Body", bound=BaseModel)
@@ -66,7 +67,11 @@ def install_anthropic_routes(app: FastAPI, api: HttpRequests) -> None:
         try:
             body = await _read(request, CountTokensRequest)
             check_model(body.model, model_names)
-            return JSONResponse({"input_tokens": body.num_tokens(core.processor)})
+            try:
+                count = await core.bounded(body.num_tokens, core.processor)
+            except InvalidRequest as e:  # the deadline
+                raise bad_request(str(e)) from None
+            return JSONResponse({"input_tokens": count})
         except ApiError as e:
             return error_response(e)
         except Exception as e:  # noqa: BLE001 -- as above

@@ -38,6 +38,8 @@ import zmq.asyncio
 from services.tokenizer.engine_stats import EngineStatsView
 from services.tokenizer.output_processor import OutputProcessor, RequestState
 from shared.codec import MalformedFrameCounter, encode, safe_decode
+from shared.curve import CurveKeys
+from shared.faults import FaultPoint
 from shared.ipc import make_socket
 from shared.protocol import (
     SCHEDULER_TO_FRONTEND,
@@ -69,6 +71,8 @@ class EngineClient:
         stats: EngineStatsView | None = None,
         heartbeat_s: float = HEARTBEAT_S,
         silence_s: float = SCHEDULER_SILENCE_S,
+        curve: CurveKeys | None = None,
+        fault: str | None = None,
     ) -> None:
         self.frontend_id = frontend_id
         self.stats = stats
@@ -78,10 +82,16 @@ class EngineClient:
         self._last_heard = time.monotonic()  # the scheduler's last message (or our start)
         self._heartbeat_task: asyncio.Task[None] | None = None
         opts: dict[str, Any] = {} if hwm is None else {"sndhwm": hwm, "rcvhwm": hwm}
-        self._sock = make_socket(ctx, zmq.DEALER, address, identity=frontend_id.encode(), **opts)
+        self._sock = make_socket(ctx, zmq.DEALER, address, identity=frontend_id.encode(),
+                                 curve=curve, **opts)
         self._counter = counter
         self._ids = itertools.count()
         self._recv_task: asyncio.Task[None] | None = None
+        # set when the receive loop died: the frontend cannot hear the engine any more
+        self.failed = asyncio.Event()
+        # tests only (shared/faults.py): exit on the N-th request, raise on the N-th message
+        self._request_fault = FaultPoint("frontend", fault, actions=("exit",))
+        self._message_fault = FaultPoint("frontend", fault, actions=("raise",))
 
     # -- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
@@ -118,6 +128,7 @@ class EngineClient:
         *, priority: int = 0,
     ) -> None:
         """Send a request upstream; its outputs go to ``state`` (id from new_request_id)."""
+        self._request_fault.step()
         # registered before the send, so no output can arrive for an id we do not hold
         self.outputs.add(state)
         msg = AddRequest(state.engine_request_id, prompt_token_ids, sampling_params, time.time(),
@@ -170,6 +181,21 @@ class EngineClient:
 
     # -- receive --------------------------------------------------------------------------
     async def _receive_loop(self) -> None:
+        """``_receive`` until cancelled; if it dies (a bug), every request in flight fails
+        with engine_error, /health turns 503 and ``failed`` tells the process to exit."""
+        try:
+            await self._receive()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.exception("the scheduler link's receive loop failed")
+            why = f"the frontend's receive loop failed: {e}"[:500]
+            if self.stats is not None:
+                self.stats.mark_engine_dead(why)
+            self.outputs.fail_all("engine_error", why)
+            self.failed.set()
+
+    async def _receive(self) -> None:
         while True:
             try:
                 frames = await self._sock.recv_multipart(copy=False)
@@ -181,6 +207,7 @@ class EngineClient:
                 log.warning("scheduler link receive failed: %s", e)
                 continue
             self._last_heard = time.monotonic()
+            self._message_fault.step()
             msg = safe_decode(frames, SCHEDULER_TO_FRONTEND, self._counter)
             if msg is not None:
                 try:
@@ -197,7 +224,10 @@ class EngineClient:
         elif isinstance(msg, RequestError):
             if msg.code == "engine_error" and self.stats is not None:
                 self.stats.mark_engine_dead(msg.message)
-            self.outputs.fail(msg.request_id, msg.code, msg.message)
+            if msg.code == "engine_error" and not msg.request_id:  # engine-wide: all fail
+                self.outputs.fail_all(msg.code, msg.message)
+            else:
+                self.outputs.fail(msg.request_id, msg.code, msg.message)
         else:
             stopped = self.outputs.process(msg.outputs)
             if stopped:  # ended here by a stop string; the scheduler would keep decoding them

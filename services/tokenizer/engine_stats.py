@@ -66,6 +66,9 @@ class EngineStatsView:
     def update(self, stats: EngineStats) -> None:
         self.latest = stats
         self._received_at = self._clock()
+        # a scheduler whose engine died says so last and exits: figures after that come
+        # from a scheduler started since (compose's restart), which this frontend serves
+        self._engine_dead = None
 
     def mark_engine_dead(self, reason: str) -> None:
         self._engine_dead = reason

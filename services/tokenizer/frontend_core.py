@@ -9,18 +9,30 @@ token goes from the engine client's receive loop to the API's writer through one
 queue, with no task per request or per prompt.
 
 ``abort`` ends a client request's unfinished samples here and at the scheduler.
+
+Validation (chat template rendering, tokenization) runs on a small thread pool with a
+deadline (``prepare_timeout_s``): a template that takes long on some input, or a huge
+prompt, answers that client with a 400 in bounded time while the event loop keeps
+serving everyone else. The tokenizer is only read there (no truncation or padding is
+ever set on it), so concurrent encodes are safe.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from services.tokenizer.engine_client import EngineClient
 from services.tokenizer.engine_stats import EngineStatsView
-from services.tokenizer.input_processor import InputProcessor, ProcessedPrompt, PromptInput
+from services.tokenizer.input_processor import (
+    InputProcessor,
+    InvalidRequest,
+    ProcessedPrompt,
+    PromptInput,
+)
 from services.tokenizer.output_processor import (
     OutputItem,
     RequestFailed,
@@ -29,6 +41,10 @@ from services.tokenizer.output_processor import (
 )
 from services.tokenizer.tool_calls import ToolCalling
 from shared.codec import MalformedFrameCounter
+
+PREPARE_TIMEOUT_S = 10.0  # render + tokenize of one client request
+PREPARE_THREADS = 4
+_T = TypeVar("_T")
 
 
 class ClientRequest:
@@ -95,6 +111,10 @@ class FrontendCore:
     served_model_names: tuple[str, ...]  # what requests may name as their model
     # the tool call format (--tool-call-parser) both APIs parse calls with
     tool_calling: ToolCalling = field(default_factory=lambda: ToolCalling(None))
+    prepare_timeout_s: float = PREPARE_TIMEOUT_S
+    _prepare_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="prepare"),
+        repr=False)
 
     @property
     def tokenizer(self) -> Any | None:
@@ -104,9 +124,20 @@ class FrontendCore:
     def max_model_len(self) -> int:
         return self.processor.limits.max_model_len
 
-    def validate(self, inputs: Sequence[PromptInput]) -> list[ProcessedPrompt]:
+    async def validate(self, inputs: Sequence[PromptInput]) -> list[ProcessedPrompt]:
         """Every prompt tokenized and checked, or ``InvalidRequest`` (nothing sent)."""
-        return self.processor.process_all(list(inputs))
+        return await self.bounded(self.processor.process_all, list(inputs))
+
+    async def bounded(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """``fn(*args)`` (rendering, tokenizing) on the prepare pool, within
+        ``prepare_timeout_s`` or ``InvalidRequest``. A call past the deadline runs on to
+        its end in its thread (a thread cannot be stopped; the input bounds bound it)."""
+        future = asyncio.get_running_loop().run_in_executor(self._prepare_pool, fn, *args)
+        try:
+            return await asyncio.wait_for(future, self.prepare_timeout_s)
+        except TimeoutError:
+            raise InvalidRequest(f"rendering and tokenizing the prompt took over "
+                                 f"{self.prepare_timeout_s:g} s") from None
 
     async def submit(self, prompts: Sequence[ProcessedPrompt], stream: bool,
                      request: ClientRequest) -> ClientRequest:

@@ -145,17 +145,18 @@ def build_app(api: HttpRequests, max_body_bytes: int,
         model_of(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("exactly one of prompt and messages must be given")
-        try:
+        def tokens() -> list[int]:
             if body.prompt is not None:
-                token_ids = processor.tokenize(body.prompt, body.add_special_tokens is not False)
-            else:
-                chat = PromptInput(SamplingParams(), messages=chat_turns(body.messages or []),
-                                   add_generation_prompt=body.add_generation_prompt,
-                                   tools=template_tools(body.tools),
-                                   continue_final_message=body.continue_final_message,
-                                   chat_template_kwargs=body.chat_template_kwargs)
-                token_ids = processor.tokenize(processor.render_chat(chat),
-                                               bool(body.add_special_tokens))
+                return processor.tokenize(body.prompt, body.add_special_tokens is not False)
+            chat = PromptInput(SamplingParams(), messages=chat_turns(body.messages or []),
+                               add_generation_prompt=body.add_generation_prompt,
+                               tools=template_tools(body.tools),
+                               continue_final_message=body.continue_final_message,
+                               chat_template_kwargs=body.chat_template_kwargs)
+            return processor.tokenize(processor.render_chat(chat), bool(body.add_special_tokens))
+
+        try:
+            token_ids = await core.bounded(tokens)
         except InvalidRequest as e:
             raise bad_request(str(e)) from None
         token_strs = None

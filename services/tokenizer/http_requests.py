@@ -144,7 +144,7 @@ class HttpRequests:
         if not self.accepting:
             raise unavailable("this frontend is shutting down; retry on another", "shutting_down")
         try:
-            processed = self.core.validate(prompts)  # all valid before any starts
+            processed = await self.core.validate(prompts)  # all valid before any starts
         except InvalidRequest as e:
             raise bad_request(str(e)) from None
         if on_prompts is not None:

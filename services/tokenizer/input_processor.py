@@ -33,6 +33,10 @@ from shared.sampling_params import SamplingParams
 from shared.structured_output import GrammarError, check_constraint
 from shared.tokenizer_loader import load_tokenizer  # noqa: F401 -- re-exported (main.py, pagoda.LLM)
 
+# a rendered chat prompt larger than this is refused before tokenizing: twice the largest
+# HTTP body by default, so only a template that multiplies its input reaches it
+MAX_RENDERED_CHARS = 16 * 2**20
+
 # what the template call itself sets; chat_template_kwargs may not override them
 RESERVED_TEMPLATE_KWARGS = frozenset({
     "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
@@ -240,6 +244,9 @@ class InputProcessor:
             raise InvalidRequest(f"the chat template refused the messages: {e}"[:500]) from None
         if not isinstance(text, str) or not text:
             raise InvalidRequest("the chat template rendered no text")
+        if len(text) > MAX_RENDERED_CHARS:
+            raise InvalidRequest(f"the chat template rendered {len(text)} characters; the limit "
+                                 f"is {MAX_RENDERED_CHARS}")
         return text
 
     def _tokenize(self, text: str, add_special_tokens: bool) -> list[int]:

@@ -44,6 +44,7 @@ from services.tokenizer.native_api import NativeApi
 from services.tokenizer.tool_calls import ToolCalling
 from shared.codec import MalformedFrameCounter
 from shared.config import ConfigError, PagodaConfig, add_arguments, load_config
+from shared.curve import CurveKeys, start_authenticator
 from shared.ipc import report_ready
 
 log = logging.getLogger("pagoda.frontend")
@@ -81,13 +82,15 @@ def make_frontend_id(index: int) -> str:
     return f"frontend-{index}-{host}-{os.getpid()}"
 
 
-def build_apis(core: FrontendCore, ctx: zmq.asyncio.Context, config: PagodaConfig) -> list[FrontendApi]:
+def build_apis(core: FrontendCore, ctx: zmq.asyncio.Context, config: PagodaConfig,
+               curve: CurveKeys | None = None) -> list[FrontendApi]:
     """Every API this process serves: the native ZMQ API and the OpenAI-compatible HTTP API."""
     proc = config.process
     http = HttpApi(core, config)  # binds http_host:http_port (SO_REUSEPORT)
     try:
         native = NativeApi(ctx, config.endpoints.frontend_native[proc.frontend_index], core,
-                           hwm=proc.socket_hwm, allow_wildcard=proc.allow_wildcard_bind)
+                           hwm=proc.socket_hwm, allow_wildcard=proc.allow_wildcard_bind,
+                           curve=curve)
     except BaseException:
         http.discard()
         raise
@@ -133,18 +136,22 @@ async def _run(config: PagodaConfig, ready_fd: int | None, signals: _Signals) ->
     processor = InputProcessor(load_tokenizer(model_dir), limits)
     frontend_id = make_frontend_id(proc.frontend_index)
     counter = MalformedFrameCounter(logging.getLogger("pagoda.frontend.wire"))
+    curve = proc.load_curve_keys()
     ctx = zmq.asyncio.Context()
+    authenticator = start_authenticator(ctx, curve)  # before the native API binds
     stats = EngineStatsView(frontend_id, counter)
     engine = EngineClient(ctx, config.endpoints.scheduler_frontend, frontend_id, counter,
-                          hwm=proc.socket_hwm, stats=stats)
+                          hwm=proc.socket_hwm, stats=stats, curve=curve, fault=proc.fault)
     core = FrontendCore(frontend_id, processor, engine, counter, stats,
                         served_model_names(config.engine.model, proc.served_model_name),
                         ToolCalling.from_setting(proc.tool_call_parser, processor.tokenizer))
     apis: list[FrontendApi] = []
     try:
-        apis = build_apis(core, ctx, config)
+        apis = build_apis(core, ctx, config, curve)
         engine.start()
         serving = [asyncio.create_task(api.serve(), name="api-serve") for api in apis]
+        # the engine link's receive loop dying ends the process like an API loop's end
+        serving.append(asyncio.create_task(engine.failed.wait(), name="engine-link-failed"))
         native = config.endpoints.frontend_native[proc.frontend_index]
         print(f"pagoda frontend {frontend_id} ready: native API at {native}, "
               f"max_model_len {limits.max_model_len}", flush=True)
@@ -155,6 +162,8 @@ async def _run(config: PagodaConfig, ready_fd: int | None, signals: _Signals) ->
         for api in apis:
             await api.close()
         await engine.close()
+        if authenticator is not None:
+            authenticator.stop()
         ctx.term()  # waits for the linger of the last aborts and outputs
         log.info("frontend %s stopped (dropped malformed frames: %s)", frontend_id,
                  counter.snapshot() or "none")
@@ -171,8 +180,8 @@ async def _serve_until_signal(
     rc = 0
     if stop_wait not in done:  # an API loop ended by itself: a bug, fail loudly
         stop_wait.cancel()
-        log.error("a frontend API loop ended unexpectedly: %s",
-                  [t.exception() for t in done if not t.cancelled()])
+        log.error("a frontend loop ended unexpectedly: %s",
+                  [(t.get_name(), t.exception()) for t in done if not t.cancelled()])
         rc = 1
     log.info("frontend stopping: draining %d request(s) for up to %.0fs",
              sum(a.num_inflight for a in apis), drain_s)
@@ -204,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s frontend %(levelname)s %(name)s: %(message)s")
     try:
         config = load_config(args)
+        config.process.load_curve_keys(binds=True, connects=True)
     except ConfigError as e:
         print(f"pagoda frontend: {e}", file=sys.stderr)
         return 2

@@ -35,6 +35,7 @@ from services.tokenizer.tool_calls import (
     tool_request,
 )
 from shared.codec import encode, safe_decode
+from shared.curve import CurveKeys
 from shared.ipc import make_socket
 from shared.protocol import (
     CLIENT_TO_FRONTEND,
@@ -123,10 +124,12 @@ class NativeApi:
         *,
         hwm: int | None = None,
         allow_wildcard: bool = False,
+        curve: CurveKeys | None = None,
     ) -> None:
         opts: dict[str, Any] = {} if hwm is None else {"sndhwm": hwm, "rcvhwm": hwm}
         self.address = address
-        self._sock = make_socket(ctx, zmq.ROUTER, address, allow_wildcard=allow_wildcard, **opts)
+        self._sock = make_socket(ctx, zmq.ROUTER, address, allow_wildcard=allow_wildcard,
+                                 curve=curve, **opts)
         self._core = core
         self._inflight: dict[ClientKey, ClientRequest] = {}
         self._outbox: asyncio.Queue[_Outgoing] = asyncio.Queue()
@@ -199,7 +202,7 @@ class NativeApi:
         try:
             prompt = prompt_input(req)
             prompt, tools = self._core.tool_calling.prepare(prompt, tool_request_of(req, prompt))
-            prompts = self._core.validate([prompt])
+            prompts = await self._core.validate([prompt])
         except InvalidRequest as e:
             self._reply_error(key, e.code, str(e))
             return

@@ -22,14 +22,17 @@ import logging
 import signal
 import sys
 import threading
+import time
 from typing import Any
 
 import torch
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from services.worker.runner_builder import RunnerSpec, build_runner
 from shared.codec import MalformedFrameCounter, encode, safe_decode
 from shared.config import ConfigError, PagodaConfig, add_arguments, load_config, require_model_dir
+from shared.curve import CurveKeys
 from shared.faults import FaultPoint
 from shared.ipc import make_socket, report_ready
 from shared.protocol import SCHEDULER_TO_WORKER, WorkerHeartbeat, WorkerReady
@@ -37,13 +40,49 @@ from shared.protocol import SCHEDULER_TO_WORKER, WorkerHeartbeat, WorkerReady
 log = logging.getLogger("pagoda.worker")
 POLL_MS = 200  # how often the loop looks at the stop flag while idle
 HEARTBEAT_S = 1.0
+# the scheduler link down this long (its process gone): exit 1. Long enough for
+# `pagoda serve`'s shutdown, which stops the scheduler first, to reach the worker.
+SCHEDULER_GONE_S = 3.0
+
+
+class SchedulerLink:
+    """The step socket and a monitor of its connection: when the scheduler's process is
+    gone (the link drops) the engine it ran is gone too, and this worker's state with it."""
+
+    def __init__(self, steps: zmq.Socket[Any]) -> None:
+        self.steps = steps
+        self._monitor = steps.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
+        self._poller = zmq.Poller()
+        self._poller.register(steps, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
+        self._gone_since: float | None = None
+
+    def poll(self, timeout_ms: int) -> bool:
+        """True when a step frame is waiting."""
+        events = dict(self._poller.poll(timeout_ms))
+        if self._monitor in events:
+            while self._monitor.poll(0, zmq.POLLIN):
+                event = recv_monitor_message(self._monitor)["event"]
+                if event == zmq.EVENT_DISCONNECTED and self._gone_since is None:
+                    self._gone_since = time.monotonic()
+        return self.steps in events
+
+    def gone_for(self) -> float:
+        """Seconds since the link dropped (0 while it is up). A drop is never undone by a
+        reconnect: the scheduler that answers then is a new one, or one that has already
+        declared this engine dead."""
+        return 0.0 if self._gone_since is None else time.monotonic() - self._gone_since
+
+    def close(self) -> None:
+        self.steps.disable_monitor()
+        self._monitor.close(linger=0)
 
 
 def heartbeat(ctx: zmq.Context[Any], address: str, rank: int, stop: threading.Event,
-              period_s: float = HEARTBEAT_S) -> None:
+              period_s: float = HEARTBEAT_S, curve: CurveKeys | None = None) -> None:
     """Send WorkerHeartbeat(rank) every ``period_s`` until ``stop`` (a thread's body; its
     own socket, as ZMQ sockets are not shared between threads)."""
-    sock = make_socket(ctx, zmq.PUSH, address, sndhwm=4)
+    sock = make_socket(ctx, zmq.PUSH, address, sndhwm=4, curve=curve)
     beat = encode(WorkerHeartbeat(rank))
     try:
         while not stop.wait(period_s):  # a period, not a synchronisation
@@ -64,13 +103,17 @@ def run_worker(config: PagodaConfig, ready_fd: int | None = None,
     runner = built.runner
     counter = MalformedFrameCounter(log)
     ctx: zmq.Context[Any] = zmq.Context()
-    hwm = config.process.socket_hwm
-    steps = make_socket(ctx, zmq.SUB, endpoints.scheduler_step, sndhwm=hwm, rcvhwm=hwm)
-    results = make_socket(ctx, zmq.PUSH, endpoints.scheduler_result, sndhwm=hwm, rcvhwm=hwm)
+    hwm, curve = config.process.socket_hwm, config.process.load_curve_keys()
+    steps = make_socket(ctx, zmq.SUB, endpoints.scheduler_step, sndhwm=hwm, rcvhwm=hwm,
+                        curve=curve)
+    results = make_socket(ctx, zmq.PUSH, endpoints.scheduler_result, sndhwm=hwm, rcvhwm=hwm,
+                          curve=curve)
     fault = FaultPoint("worker", config.process.fault)  # tests only (shared/faults.py)
     beats_stop = threading.Event()
+    link: SchedulerLink | None = None
     beating = threading.Thread(target=heartbeat, name="worker-heartbeat", daemon=True,
-                               args=(ctx, endpoints.scheduler_result, rank, beats_stop))
+                               args=(ctx, endpoints.scheduler_result, rank, beats_stop),
+                               kwargs={"curve": curve})
     try:
         results.send(encode(WorkerReady(
             rank=rank, num_kv_blocks=built.num_blocks, block_size=engine.block_size,
@@ -82,20 +125,31 @@ def run_worker(config: PagodaConfig, ready_fd: int | None = None,
         if ready_fd is not None:
             report_ready(ready_fd, role="worker", rank=rank, num_kv_blocks=built.num_blocks)
         beating.start()
+        link = SchedulerLink(steps)
         while not stop.is_set():
-            if not steps.poll(POLL_MS, zmq.POLLIN):
+            if not link.poll(POLL_MS):
+                if link.gone_for() > SCHEDULER_GONE_S and not stop.is_set():
+                    log.error("the scheduler went away %.0f s ago; exiting, as a worker serves "
+                              "one scheduler's engine (a supervisor restarts it for the next)",
+                              link.gone_for())
+                    return 1
                 continue
             batch = safe_decode(steps.recv_multipart(copy=False), SCHEDULER_TO_WORKER, counter)
             if batch is None:
                 continue
-            fault.step()
+            frame_fault = fault.step()
             result = runner.execute(batch)
-            if rank == 0:
-                results.send(encode(result))
+            if rank == 0 and frame_fault != "drop":
+                frame = encode(result)
+                results.send(frame)
+                if frame_fault == "dup":
+                    results.send(frame)
     finally:
         beats_stop.set()
         if beating.is_alive():
             beating.join()
+        if link is not None:
+            link.close()
         steps.close()
         results.close()
         ctx.term()
@@ -112,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(args)
         require_model_dir(config.engine.model, "worker")
+        config.process.load_curve_keys(connects=True)
     except ConfigError as e:
         print(f"pagoda worker: {e}", file=sys.stderr)
         return 2

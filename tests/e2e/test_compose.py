@@ -105,34 +105,61 @@ def _wait_healthy(test: list[str], env: dict[str, str], procs: list[subprocess.P
     raise AssertionError(f"{test} never passed")
 
 
-def test_compose_services_serve_requests(smollm2_dir: Path, tmp_path: Path) -> None:
+def _health(port: int) -> int:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code
+    except httpx.TransportError:
+        return 0
+
+
+def _wait_for(predicate: Any, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout:.0f}s"
+        time.sleep(0.2)  # polling another process's state
+
+
+def test_compose_services_serve_requests_and_come_back_after_a_death(
+        smollm2_dir: Path, tmp_path: Path) -> None:
+    """Every service as compose starts it; then the restart policy's case: the scheduler
+    dies, its worker follows within seconds (exit non-zero: a worker serves one
+    scheduler's engine), the frontends stay and answer /health 503; compose's `restart:`
+    starts the two again (here: the same commands), and the frontends serve the same
+    tokens again without being restarted."""
     services = load_services()
     names = list(services)
-    procs: list[subprocess.Popen[bytes]] = []
-    try:
-        for name in ("scheduler", "worker", "tokenizer"):
-            svc = services[name]
-            for replica in range(svc.get("deploy", {}).get("replicas", 1)):
-                # fp32: the tokens are compared with the offline engine's exactly
-                env = {**os.environ, **_local_env(svc["environment"], names, replica),
-                       "PAGODA_DTYPE": "float32"}
-                # the child keeps its own copy of the log's descriptor
-                with open(tmp_path / f"{name}-{replica}.log", "wb") as log:
-                    procs.append(subprocess.Popen(_command(svc["command"]), env=env, cwd=REPO,
-                                                  stdout=log, stderr=subprocess.STDOUT))
-                if "healthcheck" in svc:
-                    probe = [str(x) for x in svc["healthcheck"]["test"]]
-                    probe = [re.sub(r":(\d+)(/|$)",
-                                    lambda m, r=replica: f":{int(m.group(1)) + r}{m.group(2)}", x)
-                             for x in probe]
-                    if name != "scheduler":  # the scheduler is healthy only once the worker is up
-                        _wait_healthy(probe, env, procs)
-                    else:
-                        sched_probe = (probe, env)
-            if name == "worker":
-                _wait_healthy(*sched_probe, procs)
-        prompt = "The three primary colours are"
-        expected = expected_offline(smollm2_dir, [prompt], [SamplingParams(temperature=0.0, max_tokens=12)])
+    for name, svc in services.items():
+        assert svc.get("restart") in ("unless-stopped", "always", "on-failure"), name
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    sched_probe: tuple[list[str], dict[str, str]] | None = None
+
+    def start(name: str, replica: int, attempt: int = 0) -> None:
+        nonlocal sched_probe
+        svc = services[name]
+        # fp32: the tokens are compared with the offline engine's exactly
+        env = {**os.environ, **_local_env(svc["environment"], names, replica),
+               "PAGODA_DTYPE": "float32"}
+        # the child keeps its own copy of the log's descriptor
+        with open(tmp_path / f"{name}-{replica}-{attempt}.log", "wb") as log:
+            procs[f"{name}-{replica}"] = subprocess.Popen(
+                _command(svc["command"]), env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        if "healthcheck" in svc:
+            probe = [str(x) for x in svc["healthcheck"]["test"]]
+            probe = [re.sub(r":(\d+)(/|$)",
+                            lambda m, r=replica: f":{int(m.group(1)) + r}{m.group(2)}", x)
+                     for x in probe]
+            if name != "scheduler":  # the scheduler is healthy only once the worker is up
+                _wait_healthy(probe, env, list(procs.values()))
+            else:
+                sched_probe = (probe, env)
+        if name == "worker":
+            assert sched_probe is not None
+            _wait_healthy(*sched_probe, list(procs.values()))
+
+    prompt = "The three primary colours are"
+    expected = expected_offline(smollm2_dir, [prompt], [SamplingParams(temperature=0.0, max_tokens=12)])
+
+    def check_serves() -> None:
         for port in (5580, 5581):
             with Client(f"tcp://127.0.0.1:{port}", timeout=300) as client:
                 got = client.generate(prompt, temperature=0.0, max_tokens=12)
@@ -142,9 +169,22 @@ def test_compose_services_serve_requests(smollm2_dir: Path, tmp_path: Path) -> N
                 "prompt": prompt, "temperature": 0.0, "max_tokens": 12})
             assert answer.status_code == 200, answer.text
             assert answer.json()["choices"][0]["text"] == expected[0].outputs[0].text
+
+    try:
+        for name in ("scheduler", "worker", "tokenizer"):
+            for replica in range(services[name].get("deploy", {}).get("replicas", 1)):
+                start(name, replica)
+        check_serves()
+        procs["scheduler-0"].kill()
+        assert procs["worker-0"].wait(timeout=30) != 0
+        _wait_for(lambda: {_health(8000), _health(8001)} == {503}, "frontends report 503")
+        start("scheduler", 0, attempt=1)
+        start("worker", 0, attempt=1)
+        _wait_for(lambda: {_health(8000), _health(8001)} == {200}, "frontends healthy again")
+        check_serves()
     finally:
-        for p in reversed(procs):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        codes = [p.wait(timeout=60) for p in procs]
-    assert codes == [0] * len(procs), [(p.args, c) for p, c in zip(procs, codes)]
+        live = [p for p in procs.values() if p.poll() is None]
+        for p in reversed(live):
+            p.send_signal(signal.SIGTERM)
+        codes = [p.wait(timeout=60) for p in live]
+    assert codes == [0] * len(live), [(p.args, c) for p, c in zip(live, codes)]

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from services.tokenizer.engine_client import SCHEDULER_SILENCE_S
-from support.live_stack import start_stack
+from support.live_stack import start_stack, stop_stack
 
 pytestmark = pytest.mark.slow
 LONG = {"model": "smollm2", "prompt": "Count: one, two, three,", "max_tokens": 900,
@@ -108,12 +108,16 @@ def test_a_second_signal_cuts_the_drain_short(smollm2_dir: Path, tmp_path: Path)
 @pytest.mark.parametrize(("fault", "extra"), [
     ("worker_raise_after=4", ()), ("worker_exit_after=4", ()),
     ("worker_hang_after=4", ("--step-timeout-s", "2")),
+    ("worker_drop_after=4", ("--step-timeout-s", "2")),
+    ("scheduler_raise_after=4", ()), ("frontend_raise_after=4", ()),
 ])
-def test_worker_faults_fail_requests_fast(fault: str, extra: tuple[str, ...],
-                                          smollm2_dir: Path, tmp_path: Path) -> None:
-    """A worker that raises in a step, exits, or hangs in one (fault injection, so the
+def test_faults_in_a_step_fail_requests_fast(fault: str, extra: tuple[str, ...],
+                                             smollm2_dir: Path, tmp_path: Path) -> None:
+    """A worker that raises in a step, exits, hangs in one or loses its result frame; the
+    scheduler's loop thread or a frontend's receive loop dying (fault injection, so the
     moment is a step in flight): the streamed request gets an engine_error event and
-    [DONE] within seconds, and the stack goes down with exit 1, nothing left."""
+    [DONE] within seconds (not the 10 s of scheduler silence), and the stack goes down
+    with exit 1, nothing left."""
     stack = start_stack(smollm2_dir, tmp_path / "serve.log", 1, "--num-kv-blocks", "128",
                         "--max-model-len", "1024", "--fault", fault, *extra)
     try:
@@ -133,9 +137,55 @@ def test_worker_faults_fail_requests_fast(fault: str, extra: tuple[str, ...],
     assert events[-1] == "data: [DONE]"
     error = json.loads(events[-2].removeprefix("data: "))["error"]
     assert error["code"] == "engine_error", error
-    assert took < 15, took
+    assert took < (15 if "worker" in fault else SCHEDULER_SILENCE_S), took
     assert code == 1
     assert [name for name, pid in stack.pids.items() if alive(pid)] == []
+
+
+def test_a_repeated_result_frame_is_ignored(smollm2_dir: Path, tmp_path: Path) -> None:
+    """Rank 0 sends one step's result twice: the scheduler counts the second as stale and
+    serves on; the answer is the same as without the fault and the stack stays healthy."""
+    prompt = {"model": "smollm2", "prompt": "Count: one, two, three,", "max_tokens": 24,
+              "temperature": 0}
+    stack = start_stack(smollm2_dir, tmp_path / "serve.log", 1, "--num-kv-blocks", "128",
+                        "--max-model-len", "1024", "--fault", "worker_dup_after=3")
+    try:
+        with httpx.Client(base_url=stack.http, timeout=120) as http:
+            first = http.post("/completions", json=prompt).json()  # the duplicate lands here
+            second = http.post("/completions", json=prompt).json()
+            assert httpx.get(stack.http.removesuffix("/v1") + "/health").status_code == 200
+    finally:
+        stop_stack(stack)
+    assert first["choices"][0]["text"] == second["choices"][0]["text"]
+    assert first["usage"]["completion_tokens"] == 24
+    assert "stale_step" in stack.log()
+
+
+def test_a_dead_frontend_takes_the_stack_down(smollm2_dir: Path, tmp_path: Path) -> None:
+    """The documented policy: a child that dies takes `pagoda serve` down (compose's or
+    Kubernetes' restart policy brings it back). The frontend exits on its second request:
+    that request's connection ends without an answer, the stack exits 1 within seconds,
+    no process and no ipc file are left."""
+    stack = start_stack(smollm2_dir, tmp_path / "serve.log", 1, "--num-kv-blocks", "128",
+                        "--max-model-len", "1024", "--fault", "frontend_exit_after=2")
+    run_dir = stack.run_dir()
+    short = {**LONG, "max_tokens": 4}
+    try:
+        with httpx.Client(base_url=stack.http, timeout=60) as http:
+            assert http.post("/completions", json=short).status_code == 200
+            died = time.monotonic()
+            with pytest.raises(httpx.TransportError):
+                http.post("/completions", json=short)
+        code = stack.proc.wait(timeout=60)
+        took = time.monotonic() - died
+    finally:
+        if stack.proc.poll() is None:
+            stack.proc.kill()
+            stack.proc.wait()
+    assert code == 1
+    assert took < 15, took
+    assert [name for name, pid in stack.pids.items() if alive(pid)] == []
+    assert not run_dir.exists() or not list(run_dir.glob("*.sock"))
 
 
 def test_a_killed_launcher_takes_its_children_with_it(smollm2_dir: Path, tmp_path: Path) -> None:

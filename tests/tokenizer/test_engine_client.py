@@ -38,12 +38,15 @@ async def dispatch_all(messages: list[object]) -> tuple[EngineStatsView, list[Ou
     return view, items
 
 
-def test_an_engine_wide_error_turns_health_503_at_once() -> None:
+def test_an_engine_wide_error_turns_health_503_and_fails_what_is_in_flight() -> None:
     view, items = asyncio.run(dispatch_all([
         stats_message(), RequestError("", "engine_error", "engine error: a worker disconnected")]))
     healthy, reason = view.health()
     assert not healthy and "a worker disconnected" in reason
-    assert items == [], "no request of this frontend was named"
+    # the engine is dead: every request in flight here fails, named or not (the scheduler
+    # names each first, but its own state may be what broke)
+    assert len(items) == 1 and isinstance(items[0], RequestFailed)
+    assert items[0].code == "engine_error"
 
 
 def test_a_request_error_fails_only_its_sink() -> None:
