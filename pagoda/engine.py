@@ -1,7 +1,9 @@
 """The in-process engine core: the scheduler and one model runner, no sockets.
 
 The same step the pipeline runs across processes (schedule -> StepBatch ->
-worker -> StepResult -> update), in one loop, for the offline ``LLM`` and tests.
+worker -> StepResult -> update), in one loop, for the offline ``LLM`` and tests. With
+``tensor_parallel_size`` M > 1 the caller's process is rank 0 and ranks 1..M-1 are child
+processes that receive each step from it (``services/worker/step_relay.py``).
 Structured output runs the scheduler's ``StructuredOutputManager`` too; ``add_request``
 waits for the request's grammar to compile (the scheduler process never does), so an
 unusable constraint is a ValueError there and a step never finds one compiling.
@@ -14,6 +16,7 @@ from pathlib import Path
 from services.scheduler.scheduler import Scheduler, SchedulerConfig, SchedulerStats
 from services.scheduler.structured_output import GrammarFailed, StructuredOutputManager
 from services.worker.runner_builder import RunnerSpec, build_runner
+from services.worker.step_relay import TensorParallelGroup, check_split
 from shared.config import EngineSettings
 from shared.protocol import EngineOutput, StepBatch
 from shared.sampling_params import SamplingParams
@@ -26,7 +29,15 @@ class EngineCore:
     def __init__(self, model_dir: Path, settings: EngineSettings, *,
                  strict_invariants: bool = False) -> None:
         self.settings = settings
-        built = build_runner(model_dir, RunnerSpec.from_settings(settings))
+        spec = RunnerSpec.from_settings(settings)
+        if settings.tensor_parallel_size > 1:  # before any rank starts: sizes that do not split
+            check_split(model_dir, settings.tensor_parallel_size)
+        self._group = TensorParallelGroup.start(model_dir, spec, settings.tensor_parallel_size)
+        try:
+            built = build_runner(model_dir, spec, self._group.tp)
+        except BaseException:
+            self._group.stop()
+            raise
         self.runner = built.runner
         self.model_config = built.model_config
         self.max_model_len = built.max_model_len
@@ -61,8 +72,13 @@ class EngineCore:
             raise RuntimeError("; ".join(f"request {rid}: {msg}" for rid, _, msg in errors))
         if self.step_trace is not None:
             self.step_trace.append(batch)
+        self._group.relay_step(batch)
         result = self.runner.execute(batch)
         return self.scheduler.update(batch, result)
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing with one rank); idempotent."""
+        self._group.stop()
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()

@@ -12,7 +12,7 @@ frees its blocks.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Self
 
 from tqdm import tqdm
 
@@ -60,7 +60,12 @@ class LLM:
     does not read the engine settings' ``PAGODA_*`` variables (the kwargs define the
     engine); it does read three rows of the same registry: ``PAGODA_CACHE`` (where models
     are fetched), ``PAGODA_ATTENTION_BACKEND`` (when ``attention_backend`` is ``auto``) and
-    ``PAGODA_TESTING=1`` (a broken scheduler invariant raises, as in the test suite)."""
+    ``PAGODA_TESTING=1`` (a broken scheduler invariant raises, as in the test suite).
+
+    ``tensor_parallel_size=M`` splits the model over M ranks: this process is rank 0 and
+    M-1 child processes are spawned (so a script that makes one needs the
+    ``if __name__ == "__main__":`` guard, as with vLLM); ``close()`` (or ``with``) stops
+    them, as does the end of the process."""
 
     def __init__(self, model: str = EngineSettings.model, **settings: Any) -> None:
         self.settings = engine_settings({"model": model, **settings}, caller="LLM")
@@ -70,6 +75,16 @@ class LLM:
         self.tokenizer = load_tokenizer(self.model_dir)
         self._outputs = OutputProcessor()
         self._num_requests = 0
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks (nothing with one rank); idempotent."""
+        self.engine.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # -- public API --------------------------------------------------------------------
     def generate(

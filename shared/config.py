@@ -32,7 +32,6 @@ ATTENTION_BACKENDS = ("auto", "triton", "cpu", "torch")  # services/worker/atten
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral", "none")  # tokenizer/tool_parsers.py
 DEFAULT_CACHE_DIR = "~/.cache/pagoda"
 KV_EVENTS_ENCODINGS = ("map", "array")  # services/scheduler/kv_events.py
-TP_ISSUE = "issue 15"
 
 
 class ConfigError(ValueError):
@@ -118,7 +117,7 @@ class EngineSettings:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     dtype: str = "auto"  # one of DTYPES; auto: bfloat16 on CUDA and on CPUs with native bf16, else float32
     device: str = "auto"  # auto, cpu, cuda, cuda:N
-    tensor_parallel_size: int = 1  # worker ranks the scheduler waits for; only 1 until TP lands
+    tensor_parallel_size: int = 1  # worker ranks a model is split over (services/worker/parallel.py)
     max_queued_requests: int = 1024  # waiting requests before the scheduler answers overloaded
     attention_backend: str = "auto"  # one of ATTENTION_BACKENDS; auto: the selector's choice
     # structured output (scheduler): a grammar not compiled this long after it was asked
@@ -145,10 +144,6 @@ class EngineSettings:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(f"attention_backend: must be one of {', '.join(ATTENTION_BACKENDS)}, "
                               f"got {self.attention_backend!r}")
-        if self.tensor_parallel_size > 1:
-            raise ConfigError(
-                f"tensor_parallel_size: {self.tensor_parallel_size} is not supported yet: each rank "
-                f"would hold the whole model; tensor parallelism is tracked in {TP_ISSUE}")
 
 
 @dataclass(frozen=True)
@@ -365,7 +360,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("dtype", "engine", str, _ENGINE.dtype, f"one of {', '.join(DTYPES)}"),
     Setting("device", "engine", str, _ENGINE.device, "auto, cpu, cuda or cuda:N"),
     Setting("tensor_parallel_size", "engine", int, _ENGINE.tensor_parallel_size,
-            f"worker ranks; only 1 until tensor parallelism lands ({TP_ISSUE})"),
+            "worker ranks the model is split over (tensor parallelism)"),
     Setting("max_queued_requests", "engine", int, _ENGINE.max_queued_requests,
             "waiting requests before new ones are refused as overloaded"),
     Setting("attention_backend", "engine", _choice(*ATTENTION_BACKENDS), _ENGINE.attention_backend,

@@ -4,6 +4,12 @@ HF checkpoint names are mapped onto our fused layout: q/k/v projections are
 concatenated into one ``qkv_weight`` (and bias), gate/up into ``gate_up_weight``.
 Every parameter of the model must be filled exactly once; anything missing is an
 error that names the tensor, and unknown tensors (other than rotary buffers) too.
+
+With tensor parallelism a rank reads only its slices (``safe_open(...).get_slice``):
+its heads' rows of q/k/v, its columns of o, its rows of gate/up and columns of down,
+its vocabulary rows of the embedding and lm_head (zero-padded past the vocabulary),
+and the small replicated tensors whole, so its resident weights are about 1/M of
+the split tensors plus the replicated ones.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from safetensors import safe_open
 
 from services.worker.model_config import ModelConfig, ModelLoadError
 from services.worker.models.llama import LlamaForCausalLM
+from services.worker.parallel import SINGLE, ShardSizes, TensorParallel
 
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # HF name inside a layer -> (our parameter, slot of the fused tensor)
@@ -71,12 +78,14 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     max_position: int | None = None,
+    tp: TensorParallel = SINGLE,
 ) -> LlamaForCausalLM:
     model_dir = Path(model_dir)
     config = ModelConfig.from_dir(model_dir)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, max_position)
-    tensors = _read_checkpoint(model_dir, config)
+        model = LlamaForCausalLM(config, max_position, tp)
+    reader = _ShardReader(config, model.shard, tp)
+    tensors = _read_checkpoint(model_dir, config, reader)
     params = dict(model.named_parameters())
     missing = [n for n in params if n not in tensors and n != "lm_head_weight"]
     if missing:
@@ -90,6 +99,9 @@ def load_model(
     model = model.to_empty(device=device)
     with torch.no_grad():
         for name, param in model.named_parameters():
+            if tensors[name].shape != param.shape:
+                raise ModelLoadError(f"{model_dir}: {name} has shape {tuple(tensors[name].shape)}, "
+                                     f"the model expects {tuple(param.shape)}")
             param.data = tensors[name].to(device=device, dtype=dtype).contiguous()
         if config.tie_word_embeddings:
             model.lm_head_weight = model.embed_tokens.weight
@@ -97,7 +109,56 @@ def load_model(
     return model.eval()
 
 
-def _read_checkpoint(model_dir: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
+class _ShardReader:
+    """Reads one tensor of the checkpoint as this rank holds it (whole with one rank)."""
+
+    def __init__(self, config: ModelConfig, shard: ShardSizes, tp: TensorParallel) -> None:
+        self.config, self.shard, self.tp = config, shard, tp
+        d = config.head_dim
+        q_rows = shard.num_heads * d
+        self.q = (tp.rank * q_rows, q_rows)  # (first row, rows) of q_proj
+        self.kv = (shard.kv_head_start * d, shard.num_kv_heads * d)
+        self.mlp = (tp.rank * shard.intermediate, shard.intermediate)
+
+    def read(self, f, key: str, target: str, slot: int | None) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        if self.tp.size == 1:
+            return f.get_tensor(key)
+        part = f.get_slice(key)
+        name = target.rsplit(".", 1)[-1]
+        if slot is not None:  # one of q/k/v or gate/up: this rank's rows
+            start, rows = (self.q if slot == 0 else self.kv) if ".qkv_" in target else self.mlp
+            return part[start : start + rows]
+        if name == "qkv_weight":  # stored fused (Phi-3): q, k and v rows of this rank
+            cfg = self.config
+            q_all, kv_all = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+            pieces = [(self.q[0], self.q[1]), (q_all + self.kv[0], self.kv[1]),
+                      (q_all + kv_all + self.kv[0], self.kv[1])]
+            return torch.cat([part[a : a + n] for a, n in pieces])
+        if name == "gate_up_weight":  # stored fused (Phi-3): gate rows, then up rows
+            start, rows = self.mlp
+            inter = self.config.intermediate_size
+            return torch.cat([part[start : start + rows], part[inter + start : inter + start + rows]])
+        if name in ("o_weight", "down_weight"):  # row-parallel: this rank's columns
+            start, cols = self.q if name == "o_weight" else self.mlp
+            return part[:, start : start + cols]
+        if target in ("embed_tokens.weight", "lm_head_weight"):
+            return self._vocab_rows(part)
+        return f.get_tensor(key)  # replicated: norms, the row-parallel biases
+
+    def _vocab_rows(self, part) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        start, rows, vocab = self.shard.vocab_start, self.shard.vocab_per_rank, self.config.vocab_size
+        held = part[start : min(start + rows, vocab)] if start < vocab else None
+        if held is not None and held.shape[0] == rows:
+            return held
+        hidden = part.get_shape()[1]
+        out = torch.zeros(rows, hidden, dtype=held.dtype if held is not None else torch.float32)
+        if held is not None:
+            out[: held.shape[0]] = held
+        return out
+
+
+def _read_checkpoint(model_dir: Path, config: ModelConfig,
+                     reader: _ShardReader) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     fused: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
     for path in safetensors_files(model_dir):
@@ -107,9 +168,9 @@ def _read_checkpoint(model_dir: Path, config: ModelConfig) -> dict[str, torch.Te
                 if target is None:
                     continue
                 if isinstance(target, tuple):
-                    fused[target[0]][target[1]] = f.get_tensor(key)
+                    fused[target[0]][target[1]] = reader.read(f, key, target[0], target[1])
                 else:
-                    out[target] = f.get_tensor(key)
+                    out[target] = reader.read(f, key, target, None)
     for name, parts in fused.items():
         expected = 3 if ".qkv_" in name else 2
         if len(parts) != expected:

@@ -77,9 +77,9 @@ class _TokenSlice:
 
 
 def kv_cache_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
-    cfg = model.config
+    cfg = model.config  # this rank's KV heads only (tensor parallelism splits them)
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+    return 2 * cfg.num_hidden_layers * block_size * model.shard.num_kv_heads * cfg.head_dim * elem
 
 
 def allocate_kv_caches(
@@ -87,7 +87,7 @@ def allocate_kv_caches(
     device: torch.device | str,
 ) -> list[KVCache]:
     cfg = model.config
-    shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+    shape = (num_blocks, block_size, model.shard.num_kv_heads, cfg.head_dim)
     return [
         (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
         for _ in range(cfg.num_hidden_layers)
@@ -115,6 +115,7 @@ class ModelRunner:
         device: torch.device | str = "cpu",
     ) -> None:
         self.model = model
+        self.tp = model.tp  # rank 0 samples and answers; every rank runs the forward
         self.backend = backend
         self.device = torch.device(device)
         self.block_size = block_size
@@ -170,9 +171,15 @@ class ModelRunner:
             return StepResult(step_id=batch.step_id, prompt_logprobs=prompt_logprobs), {}
         logits = self.model.compute_logits(hidden.index_select(0, flat.logit_indices))
         samplers = [flat.order[i] for i in flat.sample_rows]
-        grammar = self._grammar_bitmask(batch, samplers) if batch.grammar_seq_ids else None
-        out = self.sampler(logits, [s.rows for s in samplers], grammar)
-        sampled = out.sampled_token_ids.tolist()
+        grammar = (self._grammar_bitmask(batch, samplers)
+                   if batch.grammar_seq_ids and self.tp.is_first else None)
+        if self.tp.is_first:
+            out = self.sampler(logits, [s.rows for s in samplers], grammar)
+            sampled_ids, logprobs = out.sampled_token_ids, out.logprobs
+        else:  # rank 0 samples; the others take its tokens (their state needs them)
+            sampled_ids = torch.empty(len(samplers), dtype=torch.int64, device=self.device)
+            logprobs = None
+        sampled = self.tp.broadcast_first(sampled_ids).tolist()
         for state, token in zip(samplers, sampled):
             state.token_ids.append(token)
         # samplers are in the scheduler's batch order already
@@ -180,7 +187,7 @@ class ModelRunner:
             step_id=batch.step_id,
             request_ids=[s.request_id for s in samplers],
             sampled_token_ids=sampled,
-            logprobs=out.logprobs,
+            logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
         )
         return result, {s.request_id: logits[j] for j, s in enumerate(samplers)}

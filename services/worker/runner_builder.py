@@ -20,6 +20,7 @@ from services.worker.layers.linear import pack_cpu_linears
 from services.worker.loader import load_model
 from services.worker.model_config import ModelConfig
 from services.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
+from services.worker.parallel import SINGLE, ShardingError, TensorParallel
 from shared import model_limits
 from shared.config import EngineSettings
 
@@ -95,12 +96,19 @@ def resolve_dtype_name(dtype: str, device: torch.device) -> str:
     return next(name for name, d in _DTYPES.items() if d == resolved)
 
 
-def build_runner(model_dir: Path, spec: RunnerSpec) -> BuiltRunner:
+def build_runner(model_dir: Path, spec: RunnerSpec, tp: TensorParallel = SINGLE) -> BuiltRunner:
+    """The runner of one rank (``tp``: its tensor-parallel group; the whole model alone)."""
     device = resolve_device(spec.device)
     if device.type == "cpu":
         keep_large_allocations_in_heap()
+    elif device.type == "cuda" and tp.size > 1 and device.index is None:
+        device = torch.device("cuda", tp.rank % torch.cuda.device_count())  # a GPU per rank
+        torch.cuda.set_device(device)
     dtype = resolve_dtype(spec.dtype, device)
-    model = load_model(model_dir, dtype, device, max_position=None)
+    try:
+        model = load_model(model_dir, dtype, device, max_position=None, tp=tp)
+    except ShardingError as e:
+        raise ValueError(f"{model_dir}: {e}") from None
     if device.type == "cpu":
         pack_cpu_linears(model)
         # compiled (first run on a machine) or loaded now, not in step 1

@@ -208,14 +208,17 @@ def test_testing_and_rank_flags() -> None:
 
 
 @pytest.mark.parametrize("how", ["dataclass", "env", "flag"])
-def test_tensor_parallelism_is_refused_until_it_lands(how: str) -> None:
-    with pytest.raises(ConfigError, match="tensor_parallel_size: 2 is not supported yet.*issue 15"):
-        if how == "dataclass":
-            EngineSettings(tensor_parallel_size=2)
-        elif how == "env":
-            load_config(parse(), {"PAGODA_TENSOR_PARALLEL_SIZE": "2"})
-        else:
-            load_config(parse("--tensor-parallel-size", "2"), {})
+def test_tensor_parallel_size_is_read_and_checked(how: str) -> None:
+    if how == "dataclass":
+        assert EngineSettings(tensor_parallel_size=2).tensor_parallel_size == 2
+        with pytest.raises(ConfigError, match="tensor_parallel_size: must be >= 1"):
+            EngineSettings(tensor_parallel_size=0)
+    elif how == "env":
+        config = load_config(parse(), {"PAGODA_TENSOR_PARALLEL_SIZE": "2"})
+        assert config.engine.tensor_parallel_size == 2
+    else:
+        config = load_config(parse("--tensor-parallel-size", "3", "--rank", "2"), {})
+        assert (config.engine.tensor_parallel_size, config.process.rank) == (3, 2)
 
 
 def test_engine_settings_names_an_unknown_key() -> None:
@@ -260,4 +263,4 @@ def test_llm_refuses_an_unknown_kwarg_naming_it() -> None:
     with pytest.raises(TypeError, match="'strict_invariant'"):
         LLM("smollm2", strict_invariant=True)  # checked before any model is fetched
     with pytest.raises(ConfigError, match="tensor_parallel_size"):
-        LLM("smollm2", tensor_parallel_size=2)
+        LLM("smollm2", tensor_parallel_size=0)

@@ -11,6 +11,12 @@ partial rotary, per-layer sliding windows, and Gemma's hooks (embeddings scaled 
 sqrt(hidden_size), RMSNorm by 1 + weight, GeGLU, norms on the attention and MLP outputs
 too, query_pre_attn_scalar, attention and final logit soft caps, a second rope for
 Gemma 3's sliding layers).
+
+Tensor parallelism (``services/worker/parallel.py``): with a group of M ranks each
+attention layer holds its ranks' heads (and KV heads, replicated when ranks outnumber
+them), each MLP its columns, the embedding and lm_head their vocabulary rows; the o and
+down projections' partial sums are all-reduced (their biases added once, after), and
+the logits are gathered over the vocabulary. With one rank nothing of that runs.
 """
 
 from __future__ import annotations
@@ -21,10 +27,12 @@ from torch import nn
 
 from kernels import cpu_fused
 from services.worker.attention.base import AttentionBackend, AttentionMetadata
+from services.worker.layers.embedding import VocabEmbedding
 from services.worker.layers.linear import linear
 from services.worker.layers.norm import RMSNorm
 from services.worker.layers.rotary import RopePlan, RotaryEmbedding
 from services.worker.model_config import ModelConfig
+from services.worker.parallel import SINGLE, ShardSizes, TensorParallel, shard_sizes
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # per layer: k, v [blocks, block_size, kv_heads, D]
 
@@ -41,12 +49,14 @@ class LlamaAttention(nn.Module):
     PACKED_WEIGHTS = ("qkv_weight", "o_weight")  # see layers/linear.py
 
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding,
-                 window: int | None = None) -> None:
+                 window: int | None = None, shard: ShardSizes | None = None,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.qkv_weight_packed: torch.Tensor | None = None
         self.o_weight_packed: torch.Tensor | None = None
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.tp = tp
+        self.num_heads = config.num_attention_heads if shard is None else shard.num_heads
+        self.num_kv_heads = config.num_key_value_heads if shard is None else shard.num_kv_heads
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -86,22 +96,25 @@ class LlamaAttention(nn.Module):
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
                               window=self.window, softcap=self.softcap)
-        return linear(out.reshape(t, self.q_size), self.o_weight, self.o_bias, self.o_weight_packed)
+        return _row_parallel(out.reshape(t, self.q_size), self.o_weight, self.o_bias,
+                             self.o_weight_packed, self.tp)
 
 
 class LlamaMLP(nn.Module):
     PACKED_WEIGHTS = ("gate_up_weight", "down_weight")
 
-    def __init__(self, config: ModelConfig, fused: bool = True) -> None:
+    def __init__(self, config: ModelConfig, fused: bool = True, shard: ShardSizes | None = None,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.fused = fused  # kernels.cpu_fused.silu_mul where it applies
         self.gelu = config.hidden_act == "gelu_pytorch_tanh"  # GeGLU (Gemma), else SwiGLU
         self.gate_up_weight_packed: torch.Tensor | None = None
         self.down_weight_packed: torch.Tensor | None = None
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_weight = _weight(2 * config.intermediate_size, config.hidden_size)
-        self.gate_up_bias = _weight(2 * config.intermediate_size) if config.mlp_bias else None
-        self.down_weight = _weight(config.hidden_size, config.intermediate_size)
+        self.tp = tp
+        self.intermediate_size = config.intermediate_size if shard is None else shard.intermediate
+        self.gate_up_weight = _weight(2 * self.intermediate_size, config.hidden_size)
+        self.gate_up_bias = _weight(2 * self.intermediate_size) if config.mlp_bias else None
+        self.down_weight = _weight(config.hidden_size, self.intermediate_size)
         self.down_bias = _weight(config.hidden_size) if config.mlp_bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -117,22 +130,34 @@ class LlamaMLP(nn.Module):
         else:
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
             act = F.silu(gate) * up
-        return linear(act, self.down_weight, self.down_bias, self.down_weight_packed)
+        return _row_parallel(act, self.down_weight, self.down_bias, self.down_weight_packed,
+                             self.tp)
+
+
+def _row_parallel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  packed: torch.Tensor | None, tp: TensorParallel) -> torch.Tensor:
+    """A row-parallel linear: each rank's partial product, summed over the group; the
+    bias (held whole on every rank) added once, after the sum."""
+    if tp.size == 1:
+        return linear(x, weight, bias, packed)
+    out = tp.all_reduce(linear(x, weight, None, packed))
+    return out if bias is None else out + bias
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding,
-                 window: int | None = None) -> None:
+                 window: int | None = None, shard: ShardSizes | None = None,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.input_layernorm = _norm(config, config.hidden_size)
-        self.self_attn = LlamaAttention(config, rotary, window)
+        self.self_attn = LlamaAttention(config, rotary, window, shard, tp)
         # Llama: the MLP's pre-norm; Gemma (sandwich_norms): the attention output's norm
         self.post_attention_layernorm = _norm(config, config.hidden_size)
         self.sandwich_norms = config.sandwich_norms
         if config.sandwich_norms:
             self.pre_feedforward_layernorm = _norm(config, config.hidden_size)
             self.post_feedforward_layernorm = _norm(config, config.hidden_size)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config, shard=shard, tp=tp)
 
     def forward(
         self,
@@ -158,10 +183,15 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     PACKED_WEIGHTS = ("lm_head_weight",)
 
-    def __init__(self, config: ModelConfig, max_position: int | None = None) -> None:
+    def __init__(self, config: ModelConfig, max_position: int | None = None,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.lm_head_weight_packed: torch.Tensor | None = None
         self.config = config
+        self.tp = tp
+        # this rank's share of the split sizes (the whole model with one rank)
+        self.shard = shard_sizes(config.num_attention_heads, config.num_key_value_heads,
+                                 config.intermediate_size, config.vocab_size, tp)
         max_position = max_position or config.max_position_embeddings
         rotary_dim = int(config.head_dim * config.partial_rotary_factor)
         rotary = RotaryEmbedding(
@@ -172,16 +202,18 @@ class LlamaForCausalLM(nn.Module):
         local = rotary if config.rope_local_theta is None else RotaryEmbedding(
             config.head_dim, max_position, config.rope_local_theta, None, rotary_dim=rotary_dim)
         windows = config.layer_windows or (None,) * config.num_hidden_layers
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
+        shard = self.shard
+        self.embed_tokens = VocabEmbedding(
+            config.vocab_size if tp.size == 1 else shard.vocab_per_rank, config.hidden_size,
+            shard.vocab_start, tp)
         self.embed_scale: float | None = None  # Gemma: sqrt(hidden) in the weights' dtype
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, rotary if window is None else local, window)
+            LlamaDecoderLayer(config, rotary if window is None else local, window, shard, tp)
             for window in windows
         )
         self.norm = _norm(config, config.hidden_size)
         # tied embeddings share the embedding tensor (set by the loader)
-        self.lm_head_weight = _weight(config.vocab_size, config.hidden_size)
+        self.lm_head_weight = _weight(self.embed_tokens.weight.shape[0], config.hidden_size)
         self.rotary = rotary
 
     @torch.no_grad()
@@ -220,6 +252,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
         logits = linear(hidden, self.lm_head_weight, None, self.lm_head_weight_packed).float()
+        if self.tp.size > 1:  # each rank's vocabulary rows, then the padding cut off
+            logits = self.tp.all_gather_last(logits)[:, : self.config.vocab_size]
         cap = self.config.final_logit_softcapping
         if cap is not None:  # Gemma, in fp32 (HF: in the model's dtype)
             logits = torch.tanh(logits / cap) * cap
