@@ -15,6 +15,7 @@ from pathlib import Path
 
 from services.scheduler.scheduler import Scheduler, SchedulerConfig, SchedulerStats
 from services.scheduler.structured_output import GrammarFailed, StructuredOutputManager
+from services.worker.parallel import CollectiveTimer
 from services.worker.runner_builder import RunnerSpec, build_runner
 from services.worker.step_relay import TensorParallelGroup, check_split
 from shared.config import EngineSettings
@@ -75,6 +76,10 @@ class EngineCore:
         self._group.relay_step(batch)
         result = self.runner.execute(batch)
         return self.scheduler.update(batch, result)
+
+    def collective_timer(self) -> CollectiveTimer | None:
+        """Rank 0's time in collectives (None with one rank)."""
+        return self._group.tp.timer
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (nothing with one rank); idempotent."""

@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from shared.config import (
@@ -37,9 +37,7 @@ from shared.config import (
     load_config,
     resolve,
 )
-from shared.ipc import ReadyError, private_run_dir, wait_ready
-
-_PR_SET_PDEATHSIG = 1
+from shared.ipc import ReadyError, die_with_parent, private_run_dir, wait_ready
 
 
 @dataclass
@@ -69,21 +67,21 @@ def config_env(config: PagodaConfig) -> dict[str, str]:
     return env
 
 
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:  # not Linux: the launcher's own teardown still applies
-        pass
+def free_tcp_port() -> int:
+    """A loopback TCP port nothing listens on now (the OS picks it)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def start_child(name: str, module: str, args: list[str], env: dict[str, str]) -> Child:
     read_fd, write_fd = os.pipe()
-    # preexec_fn: PR_SET_PDEATHSIG has no Popen equivalent; _die_with_parent is one prctl
+    # preexec_fn: PR_SET_PDEATHSIG has no Popen equivalent; die_with_parent is one prctl
     # call, taking no lock a thread of ours could hold across the fork
     proc = subprocess.Popen(
         [sys.executable, "-m", module, "--ready-fd", str(write_fd), *args],
         env={**os.environ, **env}, pass_fds=(write_fd,),
-        preexec_fn=_die_with_parent,  # noqa: PLW1509
+        preexec_fn=die_with_parent,  # noqa: PLW1509
         cwd=Path(__file__).resolve().parent.parent,
     )
     os.close(write_fd)
@@ -103,8 +101,12 @@ class Stack:
 
     def start(self) -> None:
         env = config_env(self.config)
-        for rank in range(self.config.engine.tensor_parallel_size):
-            self.children.append(start_child(f"worker-{rank}", "services.worker.main", ["--rank", str(rank)], env))
+        ranks = self.config.engine.tensor_parallel_size
+        # a tensor-parallel group shares the machine's cores between its ranks
+        threads = [] if ranks == 1 else ["--threads", str(max(1, (os.cpu_count() or 1) // ranks))]
+        for rank in range(ranks):
+            self.children.append(start_child(f"worker-{rank}", "services.worker.main",
+                                             ["--rank", str(rank), *threads], env))
         self.children.append(start_child("scheduler", "services.scheduler.main", [], env))
         for i in range(self.config.process.num_frontends):
             self.children.append(start_child(
@@ -184,6 +186,9 @@ def serve(argv: list[str] | None = None) -> int:
             values["model"], model_dir, values["cache_dir"])
         config = load_config({**vars(args), "model": str(model_dir), "served_model_name": served},
                              default_endpoints=Endpoints.local(run_dir, values["num_frontends"]))
+        if config.engine.tensor_parallel_size > 1 and config.process.master_port is None:
+            # the group's rendezvous: rank 0 listens there (loopback, one host)
+            config = replace(config, process=replace(config.process, master_port=free_tcp_port()))
         stack = Stack(config)
         try:
             stack.start()

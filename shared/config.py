@@ -188,6 +188,13 @@ class ProcessSettings:
     shutdown_timeout_s: float = 30.0  # drain time after SIGTERM
     step_timeout_s: float = 60.0  # a step without a result this long: the engine is dead
     rank: int = 0  # this worker's rank, < tensor_parallel_size (pagoda serve sets it per worker)
+    # a tensor-parallel group's rendezvous (torch.distributed; rank 0 listens on it) and
+    # how its ranks spread over hosts: `pagoda worker` on node R starts ranks
+    # R*M/K .. (R+1)*M/K - 1 of the M ranks on K nodes
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None  # None: pagoda serve picks a free one
+    nnodes: int = 1
+    node_rank: int = 0
     testing: bool = False  # test mode: a broken scheduler invariant is fatal, not just counted
     fault: str | None = None  # test mode only: a failure on purpose (shared/faults.py)
     cache_dir: str = DEFAULT_CACHE_DIR  # where `pagoda fetch` puts models (env PAGODA_CACHE)
@@ -231,6 +238,11 @@ class ProcessSettings:
             raise ConfigError("socket_hwm must be >= 1 and max_frame_bytes >= 1024")
         if self.startup_timeout_s <= 0 or self.shutdown_timeout_s < 0:
             raise ConfigError("startup_timeout_s must be > 0 and shutdown_timeout_s >= 0")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"nnodes must be >= 1 and node_rank in 0..nnodes-1, got nnodes "
+                              f"{self.nnodes}, node_rank {self.node_rank}")
+        if self.master_port is not None and not 0 < self.master_port < 65536:
+            raise ConfigError(f"master_port: must be in 1..65535, got {self.master_port}")
         if self.step_timeout_s <= 0:
             raise ConfigError(f"step_timeout_s: must be > 0, got {self.step_timeout_s}")
         if self.kv_events_endpoint is not None:
@@ -422,6 +434,14 @@ SETTINGS: tuple[Setting, ...] = (
             "seconds the scheduler waits for a step's result before failing every request"),
     Setting("rank", "process", int, _PROC.rank,
             "this worker's rank (pagoda serve passes --rank to each worker)"),
+    Setting("master_addr", "process", str, _PROC.master_addr,
+            "tensor parallelism: the host of rank 0's rendezvous (torch.distributed)"),
+    Setting("master_port", "process", _optional(int), None,
+            "tensor parallelism: the rendezvous port (pagoda serve picks a free one)"),
+    Setting("nnodes", "process", int, _PROC.nnodes,
+            "tensor parallelism: the hosts a group's ranks are spread over"),
+    Setting("node_rank", "process", int, _PROC.node_rank,
+            "tensor parallelism: this host's index (pagoda worker starts its ranks)"),
     Setting("testing", "process", _parse_bool, _PROC.testing,
             "test mode: a broken scheduler invariant is fatal (the test suite sets it)"),
     Setting("fault", "process", _optional(str), None,
@@ -529,6 +549,9 @@ def load_config(
         )
     if process.rank >= engine.tensor_parallel_size:
         raise ConfigError(f"rank: {process.rank} but tensor_parallel_size is {engine.tensor_parallel_size}")
+    if engine.tensor_parallel_size % process.nnodes:
+        raise ConfigError(f"tensor_parallel_size {engine.tensor_parallel_size} does not split "
+                          f"over nnodes {process.nnodes}: each node runs the same number of ranks")
     return PagodaConfig(endpoints, engine, process)
 
 

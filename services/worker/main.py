@@ -29,7 +29,14 @@ import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from services.worker.runner_builder import RunnerSpec, build_runner
+from services.worker.node import run_node, runs_a_node
+from services.worker.parallel import (
+    SINGLE,
+    TensorParallel,
+    destroy_tensor_parallel,
+    init_tensor_parallel,
+)
+from services.worker.runner_builder import RunnerSpec, build_runner, resolve_device
 from shared.codec import MalformedFrameCounter, encode, safe_decode
 from shared.config import ConfigError, PagodaConfig, add_arguments, load_config, require_model_dir
 from shared.curve import CurveKeys
@@ -99,7 +106,12 @@ def run_worker(config: PagodaConfig, ready_fd: int | None = None,
     engine, endpoints, rank = config.engine, config.endpoints, config.process.rank
     stop = stop or threading.Event()
     model_dir = require_model_dir(engine.model, "worker")
-    built = build_runner(model_dir, RunnerSpec.from_settings(engine))
+    tp = join_group(config)
+    try:
+        built = build_runner(model_dir, RunnerSpec.from_settings(engine), tp)
+    except BaseException:
+        destroy_tensor_parallel(tp)
+        raise
     runner = built.runner
     counter = MalformedFrameCounter(log)
     ctx: zmq.Context[Any] = zmq.Context()
@@ -153,7 +165,21 @@ def run_worker(config: PagodaConfig, ready_fd: int | None = None,
         steps.close()
         results.close()
         ctx.term()
+        destroy_tensor_parallel(tp)
     return 0
+
+
+def join_group(config: PagodaConfig) -> TensorParallel:
+    """This rank's tensor-parallel group (the group of one without tensor parallelism).
+    Ranks may start ``startup_timeout_s`` apart; a step's collectives time out with the
+    step (``step_timeout_s``), so a dead or hung rank fails the others, never hangs them."""
+    engine, proc = config.engine, config.process
+    if engine.tensor_parallel_size == 1:
+        return SINGLE
+    init_method = f"tcp://{proc.master_addr}:{proc.master_port}"
+    return init_tensor_parallel(proc.rank, engine.tensor_parallel_size, init_method,
+                                resolve_device(engine.device), proc.startup_timeout_s,
+                                proc.step_timeout_s)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -167,9 +193,14 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args)
         require_model_dir(config.engine.model, "worker")
         config.process.load_curve_keys(connects=True)
+        if config.engine.tensor_parallel_size > 1 and config.process.master_port is None:
+            raise ConfigError("master_port: a tensor-parallel group needs its rendezvous port "
+                              "(--master-port; pagoda serve picks one)")
     except ConfigError as e:
         print(f"pagoda worker: {e}", file=sys.stderr)
         return 2
+    if runs_a_node(config, argv if argv is not None else sys.argv[1:]):
+        return run_node(config, argv if argv is not None else sys.argv[1:], args.threads)
     if args.threads:
         torch.set_num_threads(args.threads)
     stop = threading.Event()

@@ -75,7 +75,7 @@ class TensorParallel:
         if self.size == 1:
             return x
         started = time.perf_counter() if self.timer is not None else 0.0
-        dist.broadcast(x, src=0, group=self.group)  # the group is the whole world
+        dist.broadcast(x, src=0, group=self.group)  # the group spans the whole world
         self._count(started)
         return x
 
@@ -126,16 +126,22 @@ def shard_sizes(num_heads: int, num_kv_heads: int, intermediate: int, vocab: int
 
 
 def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.device,
-                         timeout_s: float) -> TensorParallel:
-    """Join the group's process group: gloo on a CPU, NCCL on CUDA. A rank that dies or
-    hangs makes the others' collectives fail after ``timeout_s``, never wait forever."""
+                         timeout_s: float, step_timeout_s: float | None = None) -> TensorParallel:
+    """Join the group's process group: gloo on a CPU, NCCL on CUDA. Ranks may start up to
+    ``timeout_s`` apart; afterwards a rank that dies or hangs makes the others'
+    collectives fail after ``step_timeout_s`` (default: the same), never wait forever."""
     if size == 1:
         return SINGLE
     backend = "nccl" if device.type == "cuda" else "gloo"
     log.info("rank %d of %d: joining the %s group at %s", rank, size, backend, init_method)
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=timeout_s))
-    return TensorParallel(rank, size, dist.group.WORLD)
+    group = dist.group.WORLD
+    if step_timeout_s is not None and step_timeout_s != timeout_s:
+        group = dist.new_group(list(range(size)), backend=backend,
+                               timeout=datetime.timedelta(seconds=step_timeout_s))
+    log.info("rank %d of %d: the group is complete", rank, size)
+    return TensorParallel(rank, size, group)
 
 
 def destroy_tensor_parallel(tp: TensorParallel) -> None:

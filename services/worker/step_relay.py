@@ -14,7 +14,7 @@ import logging
 import multiprocessing
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 
@@ -22,6 +22,7 @@ import torch
 
 from services.worker.parallel import (
     SINGLE,
+    CollectiveTimer,
     ShardingError,
     TensorParallel,
     destroy_tensor_parallel,
@@ -148,7 +149,9 @@ class TensorParallelGroup:
         device = resolve_device(runner_spec.device)  # type: ignore[attr-defined]
         try:
             torch.set_num_threads(threads)
-            tp = init_tensor_parallel(0, size, init_method, device, timeout_s)
+            # rank 0 times its collectives: the share of a step they take (the TP benchmark)
+            tp = replace(init_tensor_parallel(0, size, init_method, device, timeout_s),
+                         timer=CollectiveTimer())
         except BaseException:
             for p in followers:
                 p.terminate()
