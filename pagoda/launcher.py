@@ -186,6 +186,14 @@ def serve(argv: list[str] | None = None) -> int:
             values["model"], model_dir, values["cache_dir"])
         config = load_config({**vars(args), "model": str(model_dir), "served_model_name": served},
                              default_endpoints=Endpoints.local(run_dir, values["num_frontends"]))
+        if config.engine.tensor_parallel_size > 1:
+            from services.worker.step_relay import check_split
+
+            try:  # before any process starts: sizes the group cannot split, named
+                check_split(model_dir, config.engine.tensor_parallel_size)
+            except ValueError as e:
+                print(f"pagoda serve: {e}", file=sys.stderr)
+                return 2
         if config.engine.tensor_parallel_size > 1 and config.process.master_port is None:
             # the group's rendezvous: rank 0 listens there (loopback, one host)
             config = replace(config, process=replace(config.process, master_port=free_tcp_port()))

@@ -19,19 +19,17 @@ import httpx
 import pytest
 
 from services.tokenizer.engine_client import SCHEDULER_SILENCE_S
-from support.live_stack import start_stack, stop_stack
+from support.live_stack import (
+    assert_stream_failed,
+    kill_if_running,
+    left_running,
+    start_stack,
+    stop_stack,
+)
 
 pytestmark = pytest.mark.slow
 LONG = {"model": "smollm2", "prompt": "Count: one, two, three,", "max_tokens": 900,
         "ignore_eos": True, "temperature": 0}
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def test_a_killed_scheduler_fails_requests_fast_and_takes_the_stack_down(
@@ -54,19 +52,14 @@ def test_a_killed_scheduler_fails_requests_fast_and_takes_the_stack_down(
                 return events, answer, time.monotonic() - killed
 
         events, answer, waited = asyncio.run(run())
-        assert events[-1] == "data: [DONE]"
-        error = json.loads(events[-2].removeprefix("data: "))["error"]
-        assert error["code"] == "engine_error", error
+        assert_stream_failed(events)
         assert answer.status_code == 500 and answer.json()["error"]["code"] == "engine_error"
         assert waited < SCHEDULER_SILENCE_S + 10, waited
         code = stack.proc.wait(timeout=60)
     finally:
-        if stack.proc.poll() is None:
-            stack.proc.kill()
-            stack.proc.wait()
+        kill_if_running(stack)
     assert code != 0
-    left = [name for name, pid in stack.pids.items() if alive(pid)]
-    assert left == [], left
+    assert left_running(stack) == []
     assert not list(run_dir.glob("*.sock")), list(run_dir.iterdir())
 
 
@@ -94,14 +87,12 @@ def test_a_second_signal_cuts_the_drain_short(smollm2_dir: Path, tmp_path: Path)
         code = stack.proc.wait(timeout=60)
         took = time.monotonic() - second
     finally:
-        if stack.proc.poll() is None:
-            stack.proc.kill()
-            stack.proc.wait()
+        kill_if_running(stack)
     assert events[-1] == "data: [DONE]"
     assert json.loads(events[-2].removeprefix("data: "))["choices"][0]["finish_reason"] == "abort"
     assert took < 10, took  # not the 30 s drain
     assert code == 1  # a forced stop
-    assert [name for name, pid in stack.pids.items() if alive(pid)] == []
+    assert left_running(stack) == []
     assert not run_dir.exists() or not list(run_dir.glob("*.sock"))
 
 
@@ -131,15 +122,11 @@ def test_faults_in_a_step_fail_requests_fast(fault: str, extra: tuple[str, ...],
         events, took = asyncio.run(run())
         code = stack.proc.wait(timeout=60)
     finally:
-        if stack.proc.poll() is None:
-            stack.proc.kill()
-            stack.proc.wait()
-    assert events[-1] == "data: [DONE]"
-    error = json.loads(events[-2].removeprefix("data: "))["error"]
-    assert error["code"] == "engine_error", error
+        kill_if_running(stack)
+    assert_stream_failed(events)
     assert took < (15 if "worker" in fault else SCHEDULER_SILENCE_S), took
     assert code == 1
-    assert [name for name, pid in stack.pids.items() if alive(pid)] == []
+    assert left_running(stack) == []
 
 
 def test_a_repeated_result_frame_is_ignored(smollm2_dir: Path, tmp_path: Path) -> None:
@@ -179,12 +166,10 @@ def test_a_dead_frontend_takes_the_stack_down(smollm2_dir: Path, tmp_path: Path)
         code = stack.proc.wait(timeout=60)
         took = time.monotonic() - died
     finally:
-        if stack.proc.poll() is None:
-            stack.proc.kill()
-            stack.proc.wait()
+        kill_if_running(stack)
     assert code == 1
     assert took < 15, took
-    assert [name for name, pid in stack.pids.items() if alive(pid)] == []
+    assert left_running(stack) == []
     assert not run_dir.exists() or not list(run_dir.glob("*.sock"))
 
 
@@ -196,8 +181,5 @@ def test_a_killed_launcher_takes_its_children_with_it(smollm2_dir: Path, tmp_pat
     run_dir = stack.run_dir()
     stack.proc.kill()
     stack.proc.wait()
-    deadline = time.monotonic() + 30
-    while any(alive(pid) for pid in stack.pids.values()) and time.monotonic() < deadline:
-        time.sleep(0.1)  # polling the processes' state
-    assert [name for name, pid in stack.pids.items() if alive(pid)] == []
+    assert left_running(stack, wait_s=30) == []
     assert not list(run_dir.glob("*.sock")), list(run_dir.iterdir())

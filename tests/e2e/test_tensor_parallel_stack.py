@@ -9,7 +9,6 @@ the stack down, nothing left.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import re
 import signal
@@ -22,7 +21,13 @@ import pytest
 
 from pagoda import LLM
 from shared.sampling_params import SamplingParams
-from support.live_stack import serving, start_stack
+from support.live_stack import (
+    assert_stream_failed,
+    kill_if_running,
+    left_running,
+    serving,
+    start_stack,
+)
 
 pytestmark = pytest.mark.slow
 PREFIX = "Once upon a time, in a land of rivers and hills, there lived"
@@ -30,14 +35,6 @@ PROMPTS = [f"{PREFIX} a {animal}" for animal in ("fox", "crow", "bear", "wolf", 
     "Count: one, two, three,", "The capital of France is"]
 STACK_ARGS = ("--tensor-parallel-size", "2", "--num-kv-blocks", "24", "--block-size", "8",
               "--max-num-batched-tokens", "32", "--max-model-len", "512")
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def test_two_ranks_serve_the_tokens_of_one(tiny_smollm_dir: Path, tmp_path: Path) -> None:
@@ -79,15 +76,20 @@ def test_a_killed_rank_fails_requests_fast(tiny_smollm_dir: Path, tmp_path: Path
         events, waited = asyncio.run(run())
         code = stack.proc.wait(timeout=90)
     finally:
-        if stack.proc.poll() is None:
-            stack.proc.kill()
-            stack.proc.wait()
-    assert events[-1] == "data: [DONE]"
-    error = json.loads(events[-2].removeprefix("data: "))["error"]
-    assert error["code"] == "engine_error", error
+        kill_if_running(stack)
+    assert_stream_failed(events)
     assert waited < 10, waited
     assert code == 1
-    deadline = time.monotonic() + 30
-    while any(alive(pid) for pid in stack.pids.values()) and time.monotonic() < deadline:
-        time.sleep(0.2)  # polling the processes' state
-    assert [name for name, pid in stack.pids.items() if alive(pid)] == []
+    assert left_running(stack, wait_s=30) == []
+
+
+def test_serve_refuses_a_size_the_model_cannot_split(smollm2_dir: Path) -> None:
+    """SmolLM2 has 9 heads and 3 KV heads: 2 ranks are refused before any process starts."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "pagoda.cli", "serve", "--model", str(smollm2_dir),
+                          "--tensor-parallel-size", "2"],
+                         check=False, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2
+    assert "tensor_parallel_size 2 does not split 9 attention heads, 3 KV heads" in run.stderr

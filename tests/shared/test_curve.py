@@ -39,13 +39,6 @@ def keys(tmp_path: Path) -> CurveKeys:
 
 
 @pytest.fixture
-def ctx() -> Iterator[zmq.Context[Any]]:
-    context: zmq.Context[Any] = zmq.Context()
-    yield context
-    context.destroy(linger=0)
-
-
-@pytest.fixture
 def auth(ctx: zmq.Context[Any], keys: CurveKeys) -> Iterator[ZapAuthenticator]:
     """The ZAP handler of ``ctx``; stopped before ``ctx`` ends (its sockets would keep the
     context's termination waiting)."""

@@ -40,13 +40,6 @@ TIMEOUT_MS = 5_000
 
 
 @pytest.fixture
-def ctx() -> Iterator[zmq.Context[Any]]:
-    context: zmq.Context[Any] = zmq.Context()
-    yield context
-    context.destroy(linger=0)
-
-
-@pytest.fixture
 def run_dir() -> Iterator[Path]:
     with private_run_dir() as path:  # short path: pytest's tmp_path can exceed 107 bytes
         yield path

@@ -8,6 +8,7 @@ deadline instead of sleeping.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -130,3 +131,33 @@ def expected_offline(model_dir: Path, prompts: list, params: list):  # type: ign
 
     llm = LLM(str(model_dir), dtype="float32", num_kv_blocks=2048, max_model_len=2048)
     return llm.generate(prompts, params, use_tqdm=False)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def left_running(stack: LiveStack, wait_s: float = 0.0) -> list[str]:
+    """The stack's processes still alive, after waiting up to ``wait_s`` for them to go."""
+    deadline = time.monotonic() + wait_s
+    while any(alive(pid) for pid in stack.pids.values()) and time.monotonic() < deadline:
+        time.sleep(0.1)  # polling other processes' state
+    return [name for name, pid in stack.pids.items() if alive(pid)]
+
+
+def kill_if_running(stack: LiveStack) -> None:
+    """A test's ``finally``: the launcher SIGKILLed if it is still up."""
+    if stack.proc.poll() is None:
+        stack.proc.kill()
+        stack.proc.wait()
+
+
+def assert_stream_failed(events: list[str], code: str = "engine_error") -> None:
+    """An SSE stream that ended with an error event of ``code`` and then ``[DONE]``."""
+    assert events[-1] == "data: [DONE]", events[-3:]
+    error = json.loads(events[-2].removeprefix("data: "))["error"]
+    assert error["code"] == code, error
