@@ -60,7 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     # flags count here, not PAGODA_* variables: a run is defined by its command line)
     add_arguments(p, groups=("engine",))
     c = p.add_argument_group("comparisons and output")
-    c.add_argument("--baseline", choices=("hf",), default=None, help="HF transformers generate, same requests")
+    c.add_argument("--baseline", choices=("hf", "vllm"), action="append", default=None,
+                   help="hf: HF transformers generate; vllm: vLLM's CPU engine (its own "
+                        "environment, scripts/setup_vllm.sh); same requests, same run; repeatable")
     c.add_argument("--hf-batch-sizes", default="1,8,16,32,64", help="1 = one request at a time")
     c.add_argument("--hf-dtypes", default="auto",
                    help="comma-separated; auto: float32 and the dtype pagoda computes in")
@@ -143,6 +145,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from pagoda.model_fetch import resolve_model
 
     mode, progress = _mode(args), not args.no_progress
+    baselines = set(args.baseline or ())
+    bs1: dict[str, float] | None = None
+    max_model_len = 0  # the offline engine's, which the vLLM baseline is given too
     model_dir = resolve_model(_settings(args).model)
     dtype = engine_dtype(args)
     roofline_machine = None
@@ -151,7 +156,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         roofline_machine = measure_machine(engine_device(args), dtype)
     if mode == "offline":
-        from pagoda.bench.runner_offline import run_offline, warm_up
+        from pagoda.bench.runner_offline import (
+            BS1_OUTPUT,
+            bs1_probe,
+            measure_bs1,
+            run_offline,
+            warm_up,
+        )
         from pagoda.llm import LLM
 
         llm = LLM(str(model_dir), **_engine_settings(args))
@@ -159,12 +170,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         warm_up(llm, work)
         records, scheduler = run_offline(llm, work, args.request_rate, args.max_concurrency,
                                          args.seed, progress)
+        if "vllm" in baselines:  # batch-1 latencies, as vLLM's are measured
+            bs1 = measure_bs1(llm, bs1_probe(work), BS1_OUTPUT)
+        max_model_len = llm.engine.max_model_len
         del llm  # free its KV cache before the baseline loads another copy of the model
     else:
         work = load_workload(args, model_dir, _tokenizer(model_dir))
         records, scheduler = _run_online(args, mode, str(model_dir), work, progress)
-    hf = None
-    if args.baseline == "hf":
+    hf = vllm = None
+    if "vllm" in baselines:
+        from pagoda.bench.baseline_vllm import run_vllm_baseline
+        from pagoda.bench.runner_offline import BS1_OUTPUT, bs1_probe
+
+        if mode != "offline":
+            raise SystemExit("pagoda bench: --baseline vllm compares offline runs; drop --launch/--url")
+        vllm = run_vllm_baseline(str(model_dir), work, dtype, max_model_len, bs1_probe(work),
+                                 BS1_OUTPUT)
+    if "hf" in baselines:
         from pagoda.bench.baseline_hf import run_hf_baseline
 
         hf = run_hf_baseline(str(model_dir), work, [int(x) for x in args.hf_batch_sizes.split(",")],
@@ -178,7 +200,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "max_concurrency": args.max_concurrency, "engine": _engine_settings(args),
         "engine_dtype": dtype,
     }
-    report = build_report(config, records, scheduler, hf)
+    report = build_report(config, records, scheduler, hf, vllm=vllm, bs1=bs1)
     if roofline_machine is not None:
         from pagoda.bench.roofline import ceiling, count_parameters
 

@@ -20,10 +20,20 @@ LATENCIES = (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s",
 
 
 def build_report(config: dict[str, Any], records: list[RequestRecord], scheduler: dict[str, Any],
-                 hf: dict[str, Any] | None = None, roofline: dict[str, Any] | None = None
+                 hf: dict[str, Any] | None = None, roofline: dict[str, Any] | None = None,
+                 *, vllm: dict[str, Any] | None = None, bs1: dict[str, float] | None = None,
                  ) -> dict[str, Any]:
-    pagoda = {**summarize(records), "scheduler": scheduler}
+    pagoda = {**summarize(records), "scheduler": scheduler, "bs1": bs1}
     comparison = None
+    vs_vllm = None
+    if vllm is not None:
+        vllm = {k: v for k, v in vllm.items() if k != "token_ids"}  # the figures only
+        vs_vllm = {
+            "output_tok_s_ratio": _ratio(pagoda["output_tok_s"], vllm["output_tok_s"]),
+            # < 1 is faster
+            "bs1_ttft_ratio": _ratio(bs1["ttft_s"], vllm["bs1_ttft_s"]) if bs1 else None,
+            "bs1_tpot_ratio": _ratio(bs1["tpot_s"], vllm["bs1_tpot_s"]) if bs1 else None,
+        }
     if hf is not None:
         bs1 = hf.get("one_at_a_time")
         comparison = {
@@ -38,6 +48,8 @@ def build_report(config: dict[str, Any], records: list[RequestRecord], scheduler
         "pagoda": pagoda,
         "baseline_hf": hf,
         "comparison": comparison,
+        "baseline_vllm": vllm,
+        "comparison_vllm": vs_vllm,
         "roofline": roofline,
         "samples": {**record_lists(records),
                     "throughput_over_time": {"t_s": t, "output_tok_s": tok_s}},
@@ -95,6 +107,17 @@ def format_text(report: dict[str, Any]) -> str:
             lines.append(f"  TPOT p50 pagoda / HF one-at-a-time ({hf['one_at_a_time_dtype']}): "
                          f"{_f(cmp['tpot_p50_ratio_vs_hf_bs1'], 2)} "
                          f"(pagoda at max concurrency {cmp['pagoda_max_concurrency'] or 'unlimited'})")
+    v, vs = report.get("baseline_vllm"), report.get("comparison_vllm")
+    if v is not None and vs is not None:
+        b = p.get("bs1") or {}
+        lines.append(f"  vLLM CPU: output {_f(v['output_tok_s'])} tok/s, bs1 TTFT "
+                     f"{_f(v['bs1_ttft_s'] * 1e3)} ms, TPOT {_f(v['bs1_tpot_s'] * 1e3)} ms, "
+                     f"start {_f(v['start_s'])} s")
+        if b:
+            lines.append(f"  pagoda:   bs1 TTFT {_f(b['ttft_s'] * 1e3)} ms, TPOT "
+                         f"{_f(b['tpot_s'] * 1e3)} ms")
+        lines.append(f"  pagoda / vLLM output tok/s: {_f(vs['output_tok_s_ratio'], 2)}x; bs1 TTFT "
+                     f"{_f(vs['bs1_ttft_ratio'], 2)}, TPOT {_f(vs['bs1_tpot_ratio'], 2)} (< 1 faster)")
     r = report["roofline"]
     if r is not None:
         lines.append(f"  machine: {r.get('matmul_dtype', 'float32')} matmul {r['matmul_flops'] / 1e9:.1f} GFLOP/s, memory read "

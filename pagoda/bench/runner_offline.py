@@ -10,6 +10,7 @@ counters as differences over the run).
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Any
 
@@ -23,6 +24,30 @@ from shared.sampling_params import SamplingParams
 def greedy_exact(output_len: int) -> SamplingParams:
     """Greedy, exactly ``output_len`` tokens (EOS does not end the request)."""
     return SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+
+
+BS1_OUTPUT = 128  # the batch-1 probe: a 128-token prompt, 128 output tokens
+
+
+def bs1_probe(work: Workload, length: int = 128) -> list[int]:
+    """The batch-1 probe's prompt: the workload's first prompt, repeated to ``length``."""
+    first = work.prompts[0]
+    return (first * (length // len(first) + 1))[:length]
+
+
+def measure_bs1(llm: Any, prompt: list[int], output_len: int) -> dict[str, float]:
+    """Batch-1 TTFT (a 1-token request) and TPOT (from a full one), medians of three, as
+    the vLLM baseline measures them (vllm_runner.py)."""
+    ttft, full = [], []
+    for _ in range(3):
+        t = time.perf_counter()
+        llm.generate([prompt], greedy_exact(1), use_tqdm=False)
+        ttft.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        llm.generate([prompt], greedy_exact(output_len), use_tqdm=False)
+        full.append(time.perf_counter() - t)
+    ttft_s = statistics.median(ttft)
+    return {"ttft_s": ttft_s, "tpot_s": (statistics.median(full) - ttft_s) / (output_len - 1)}
 
 
 def warm_up(llm: Any, work: Workload) -> None:

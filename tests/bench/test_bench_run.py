@@ -32,7 +32,9 @@ def test_offline_bench_writes_consistent_json_and_png(tiny_llama_dir: Path, tmp_
     assert png.startswith(PNG_SIGNATURE) and len(png) > 1000
 
     report = json.loads(out_json.read_text())
-    assert set(report) == {"config", "pagoda", "baseline_hf", "comparison", "roofline", "samples"}
+    assert set(report) == {"config", "pagoda", "baseline_hf", "comparison", "baseline_vllm",
+                           "comparison_vllm", "roofline", "samples"}
+    assert report["baseline_vllm"] is None and report["pagoda"]["bs1"] is None
     assert report["config"]["mode"] == "offline" and report["config"]["max_concurrency"] == 3
     assert report["config"]["engine_dtype"] == "bfloat16"
     p = report["pagoda"]
@@ -69,6 +71,46 @@ def test_offline_bench_writes_consistent_json_and_png(tiny_llama_dir: Path, tmp_
     assert r["matmul_dtype"] == "bfloat16" and r["bytes_per_param"] == 2
     assert r["fraction"] == pytest.approx(p["output_tok_s"] / r["ceiling_output_tok_s"])
     assert report["samples"]["throughput_over_time"]["t_s"]
+
+
+def test_vllm_baseline_without_its_environment_is_skipped_with_a_message(
+        tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from pagoda.bench import baseline_vllm
+
+    monkeypatch.setattr(baseline_vllm, "VENV", tmp_path / "no-venv")
+    out_json = tmp_path / "r.json"
+    rc = pagoda_main(["bench", "--model", str(tiny_llama_dir), "--num-requests", "3",
+                      "--prompt-len", "8,16", "--output-len", "fixed:4", "--baseline", "vllm",
+                      "--dtype", "float32", "--output-json", str(out_json), "--no-progress"])
+    assert rc == 0
+    assert "--baseline vllm skipped" in capsys.readouterr().err
+    report = json.loads(out_json.read_text())
+    assert report["baseline_vllm"] is None
+    bs1 = report["pagoda"]["bs1"]  # pagoda's own batch-1 probe still ran
+    assert bs1["ttft_s"] > 0 and bs1["tpot_s"] > 0
+
+
+@pytest.mark.skipif(not (Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python")
+                    .is_file(), reason="no .venv-vllm (bash scripts/setup_vllm.sh makes it)")
+def test_vllm_runs_the_same_requests_to_the_same_tokens(tmp_path: Path) -> None:
+    """The real vLLM CPU engine, in its own environment, on pagoda's workload: greedy
+    float32 tokens equal pagoda's offline engine's. (vLLM's CPU attention takes head_dim
+    64 and up, so this tiny model has 64-wide heads.)"""
+    from pagoda import LLM
+    from pagoda.bench.baseline_vllm import run_vllm_baseline
+    from pagoda.bench.runner_offline import greedy_exact
+    from support.checkpoints import make_checkpoint
+
+    tiny_llama_dir = make_checkpoint(tmp_path / "tiny", "llama", seed=21, head_dim=64)
+
+    work = Workload([[5, 6, 7, 8, 9, 10], list(range(30, 50))], [12, 8])
+    figures = run_vllm_baseline(str(tiny_llama_dir), work, "float32", 1024, [5, 6, 7, 8] * 4, 8)
+    assert figures is not None and figures["output_tokens"] == 20
+    with LLM(str(tiny_llama_dir), dtype="float32", device="cpu") as llm:
+        ours = llm.generate(work.prompts, [greedy_exact(n) for n in work.output_lens],
+                            use_tqdm=False)
+    assert figures["token_ids"] == [o.outputs[0].token_ids for o in ours]
 
 
 def test_http_sender_counts_tokens_from_the_stream() -> None:
