@@ -37,7 +37,7 @@ from shared.config import (
     load_config,
     resolve,
 )
-from shared.ipc import ReadyError, die_with_parent, private_run_dir, wait_ready
+from shared.ipc import ReadyError, die_with_parent, private_run_dir, usable_cpus, wait_ready
 
 
 @dataclass
@@ -103,7 +103,7 @@ class Stack:
         env = config_env(self.config)
         ranks = self.config.engine.tensor_parallel_size
         # a tensor-parallel group shares the machine's cores between its ranks
-        threads = [] if ranks == 1 else ["--threads", str(max(1, (os.cpu_count() or 1) // ranks))]
+        threads = [] if ranks == 1 else ["--threads", str(max(1, usable_cpus() // ranks))]
         for rank in range(ranks):
             self.children.append(start_child(f"worker-{rank}", "services.worker.main",
                                              ["--rank", str(rank), *threads], env))

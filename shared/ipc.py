@@ -223,6 +223,15 @@ def private_run_dir(base: str | Path | None = None) -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity: a container's cpuset, a pinned
+    process), not the host's count that ``os.cpu_count`` gives."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 

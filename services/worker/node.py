@@ -22,7 +22,7 @@ import threading
 from pathlib import Path
 
 from shared.config import PagodaConfig
-from shared.ipc import die_with_parent
+from shared.ipc import die_with_parent, usable_cpus
 
 log = logging.getLogger("pagoda.worker.node")
 STOP_GRACE_S = 30.0  # a rank's own shutdown, before SIGKILL
@@ -45,7 +45,7 @@ def local_ranks(config: PagodaConfig) -> range:
 
 def run_node(config: PagodaConfig, argv: list[str], threads: int | None) -> int:
     ranks = local_ranks(config)
-    threads = threads or max(1, (os.cpu_count() or 1) // len(ranks))
+    threads = threads or max(1, usable_cpus() // len(ranks))
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

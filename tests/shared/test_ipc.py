@@ -173,3 +173,13 @@ def test_ready_handshake_times_out() -> None:
     with pytest.raises(ReadyError, match="within"):
         wait_ready(read_fd, timeout_s=0.05)
     os.close(write_fd)
+
+
+def test_usable_cpus_follows_the_affinity_not_the_host() -> None:
+    """A process pinned to one CPU (a container's cpuset) counts one, as the thread split
+    of tensor-parallel ranks must."""
+    code = ("import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+            "from shared.ipc import usable_cpus; print(usable_cpus())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=Path(__file__).resolve().parents[2])
+    assert out.stdout.strip() == "1"
