@@ -202,11 +202,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     report = build_report(config, records, scheduler, hf, vllm=vllm, bs1=bs1)
     if roofline_machine is not None:
-        from pagoda.bench.roofline import ceiling, count_parameters
+        from pagoda.bench.roofline import ceiling, count_parameters, matmul_parameters
 
         bytes_per_param = 4 if dtype == "float32" else 2
+        layer_params, lm_head_params = matmul_parameters(model_dir)
         report["roofline"] = ceiling(roofline_machine, count_parameters(model_dir), bytes_per_param,
-                                     report["pagoda"])
+                                     report["pagoda"], layer_params, lm_head_params)
     return report
 
 

@@ -5,8 +5,10 @@ computes in (large square products) and memory read bandwidth (summing a buffer 
 larger than the caches).
 
 The ceiling (``CEILING_DEFINITION``) is a roofline for the workload as run: every token
-(prompt or output) costs 2 x parameters FLOPs, and every decode step reads all the
-weights once, a step producing one token for each of the B requests in flight (B = the
+(prompt or output) costs 2 x the parameters of its matmuls in FLOPs (the embedding is a
+lookup, and the lm_head runs only for tokens that are sampled, so a prompt token costs
+the decoder layers' and an output token those plus the lm_head's), and every decode step
+reads all the weights once, a step producing one token for each of the B requests in flight (B = the
 run's time-weighted mean). The lowest possible time is the larger of the compute time
 and the weight-reading time; the ceiling is output tokens over that time. Attention and
 KV reads are left out, so the ceiling is optimistic, and a fraction near 1 is the best
@@ -23,7 +25,9 @@ from typing import Any
 
 CEILING_DEFINITION = (
     "ceiling output tok/s = output_tokens / max(T_compute, T_memory), where "
-    "T_compute = (prompt_tokens + output_tokens) * 2 * params / matmul_flops and "
+    "T_compute = (prompt_tokens * 2 * layer_params + output_tokens * 2 * (layer_params + "
+    "lm_head_params)) / matmul_flops (layer_params: the decoder layers' weights; the "
+    "embedding is a lookup and the lm_head runs for sampled tokens only) and "
     "T_memory = (output_tokens / B) * params * bytes_per_param / mem_read_bandwidth "
     "(each decode step reads the weights once and yields B tokens, B = mean requests in "
     "flight); attention and KV-cache traffic are ignored, so the ceiling is optimistic"
@@ -99,19 +103,36 @@ def measure_machine(device: str = "cpu", dtype: str = "float32") -> dict[str, An
             "mem_read_bytes_s": measure_read_bandwidth(device)}
 
 
-def ceiling(machine: dict[str, Any], params: int, bytes_per_param: int, summary: dict[str, Any]
-            ) -> dict[str, Any]:
-    """The roofline of the run described by ``summary`` (``stats.summarize``'s dict)."""
+def matmul_parameters(model_dir: str | Path) -> tuple[int, int]:
+    """(the decoder layers' parameters, the lm_head's) of a checkpoint: the total less the
+    embedding (and less a separate lm_head), and vocab x hidden."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    text = cfg.get("text_config") or cfg
+    head = int(text["vocab_size"]) * int(text["hidden_size"])
+    tied = bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
+    total = count_parameters(model_dir)
+    return total - head - (0 if tied else head), head
+
+
+def ceiling(machine: dict[str, Any], params: int, bytes_per_param: int, summary: dict[str, Any],
+            layer_params: int | None = None, lm_head_params: int = 0) -> dict[str, Any]:
+    """The roofline of the run described by ``summary`` (``stats.summarize``'s dict).
+
+    ``params``: every weight (read once a step); ``layer_params`` / ``lm_head_params``:
+    those of the per-token matmuls (``matmul_parameters``; default: all of ``params``)."""
     flops, bw = machine["matmul_flops"], machine["mem_read_bytes_s"]
     prompt, output = summary["prompt_tokens"], summary["output_tokens"]
     batch = max(1.0, summary.get("mean_in_flight") or 1.0)
-    t_compute = (prompt + output) * 2 * params / flops
+    layers = params if layer_params is None else layer_params
+    t_compute = (prompt * 2 * layers + output * 2 * (layers + lm_head_params)) / flops
     t_memory = (output / batch) * params * bytes_per_param / bw
     ceiling_tok_s = output / max(t_compute, t_memory) if output else float("nan")
     step_weights = params * bytes_per_param / bw  # seconds to read the weights once
     return {
         **machine,
         "params": params,
+        "layer_params": layers,
+        "lm_head_params": lm_head_params,
         "bytes_per_param": bytes_per_param,
         "batch": batch,
         "bound": "compute" if t_compute >= t_memory else "memory",

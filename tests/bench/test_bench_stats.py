@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pagoda.bench.roofline import ceiling, count_parameters
+from pagoda.bench.roofline import ceiling, count_parameters, matmul_parameters
 from pagoda.bench.runner_online import parse_prometheus
 from pagoda.bench.stats import (
     RequestRecord,
@@ -97,13 +97,31 @@ def test_roofline_ceiling_matches_hand_computation() -> None:
     assert 120 < r["ceiling_output_tok_s"] < 140
     assert r["fraction"] == pytest.approx(65.0 / r["ceiling_output_tok_s"])
     assert r["decode_ceiling_bs1_tok_s"] == pytest.approx(19e9 / (134.5e6 * 4))  # memory-bound
-    assert "2 * params" in r["definition"]
+    assert "2 * layer_params" in r["definition"]
     # one request at a time: each token a full weight read
     r1 = ceiling(machine, 134_500_000, 4, {**summary, "mean_in_flight": 1.0})
     assert r1["bound"] == "memory"
+    # the per-token matmuls only: a prompt token skips the embedding (a lookup) and the
+    # lm_head (sampled tokens only): SmolLM2's 134.5 M = 106.2 M in layers + 28.3 M tied
+    rs = ceiling(machine, 134_500_000, 4, summary, 106_200_000, 28_300_000)
+    t_split = 64 * (272 * 2 * 106.2e6 + 136 * 2 * (106.2e6 + 28.3e6)) / 106e9
+    assert rs["ceiling_output_tok_s"] == pytest.approx(64 * 136 / t_split)
+    assert rs["ceiling_output_tok_s"] > r["ceiling_output_tok_s"]
+    assert (rs["layer_params"], rs["lm_head_params"]) == (106_200_000, 28_300_000)
 
 
 def test_count_parameters(tiny_llama_dir: Path) -> None:
     from support.checkpoints import load_hf
 
     assert count_parameters(tiny_llama_dir) == sum(p.numel() for p in load_hf(tiny_llama_dir).parameters())
+
+
+def test_matmul_parameters_leave_out_the_embedding(tiny_llama_dir: Path, smollm2_dir: Path) -> None:
+    from support.checkpoints import load_hf
+
+    for model_dir in (tiny_llama_dir, smollm2_dir):  # separate lm_head; tied (SmolLM2)
+        hf = load_hf(model_dir)
+        layers = sum(p.numel() for n, p in hf.named_parameters()
+                     if "embed_tokens" not in n and "lm_head" not in n)
+        head = hf.config.vocab_size * hf.config.hidden_size
+        assert matmul_parameters(model_dir) == (layers, head)
