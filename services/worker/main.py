@@ -199,8 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"pagoda worker: {e}", file=sys.stderr)
         return 2
-    if runs_a_node(config, argv if argv is not None else sys.argv[1:]):
-        return run_node(config, argv if argv is not None else sys.argv[1:], args.threads)
+    given = sys.argv[1:] if argv is None else argv
+    if runs_a_node(config, given):
+        return run_node(config, given, args.threads)
     if args.threads:
         torch.set_num_threads(args.threads)
     stop = threading.Event()

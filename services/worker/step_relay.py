@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from services.worker.model_config import ModelConfig
 from services.worker.parallel import (
     SINGLE,
     CollectiveTimer,
@@ -29,6 +30,7 @@ from services.worker.parallel import (
     init_tensor_parallel,
     shard_sizes,
 )
+from services.worker.runner_builder import RunnerSpec, build_runner, resolve_device
 from shared.codec import decode, encode
 from shared.protocol import SCHEDULER_TO_WORKER, StepBatch
 
@@ -68,7 +70,7 @@ class FollowerSpec:
     """What a follower rank needs to build the same runner as rank 0."""
 
     model_dir: str
-    runner_spec: object  # services.worker.runner_builder.RunnerSpec (picklable dataclass)
+    runner_spec: RunnerSpec
     size: int
     init_method: str
     timeout_s: float
@@ -76,15 +78,13 @@ class FollowerSpec:
 
 
 def _follow(rank: int, spec: FollowerSpec) -> None:
-    # imported here: the child builds its own runner, as rank 0 does
-    from services.worker.runner_builder import build_runner, resolve_device
-
+    """A follower rank's body: the same runner as rank 0, each step rank 0 relays."""
     if spec.threads:
         torch.set_num_threads(spec.threads)
-    device = resolve_device(spec.runner_spec.device)  # type: ignore[attr-defined]
+    device = resolve_device(spec.runner_spec.device)
     tp = init_tensor_parallel(rank, spec.size, spec.init_method, device, spec.timeout_s)
     try:
-        runner = build_runner(Path(spec.model_dir), spec.runner_spec, tp).runner  # type: ignore[arg-type]
+        runner = build_runner(Path(spec.model_dir), spec.runner_spec, tp).runner
         relay = StepRelay(tp, device)
         while (batch := relay.receive()) is not None:
             runner.execute(batch)
@@ -109,8 +109,6 @@ def start_followers(spec: FollowerSpec) -> list[BaseProcess]:
 
 def check_split(model_dir: str | os.PathLike[str], size: int) -> None:
     """ValueError naming the sizes of the model that ``size`` ranks cannot split."""
-    from services.worker.model_config import ModelConfig
-
     cfg = ModelConfig.from_dir(model_dir)
     try:
         shard_sizes(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size,
@@ -134,19 +132,17 @@ class TensorParallelGroup:
         self.tp, self._relay, self._followers, self._rendezvous = tp, relay, followers, rendezvous
 
     @classmethod
-    def start(cls, model_dir: Path, runner_spec: object, size: int,
+    def start(cls, model_dir: Path, runner_spec: RunnerSpec, size: int,
               timeout_s: float = 600.0) -> TensorParallelGroup:
         if size == 1:
             return cls(SINGLE, None, [], None)
-        from services.worker.runner_builder import resolve_device
-
         rendezvous = tempfile.TemporaryDirectory(prefix="pagoda-tp-")
         init_method = file_init_method(rendezvous.name)
         # the machine's threads shared out between the ranks
         threads = max(1, torch.get_num_threads() // size)
         spec = FollowerSpec(str(model_dir), runner_spec, size, init_method, timeout_s, threads)
         followers = start_followers(spec)
-        device = resolve_device(runner_spec.device)  # type: ignore[attr-defined]
+        device = resolve_device(runner_spec.device)
         try:
             torch.set_num_threads(threads)
             # rank 0 times its collectives: the share of a step they take (the TP benchmark)
