@@ -52,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="online transport (default http; zmq with --native)")
     m.add_argument("--metrics-url", default=None, help="default: <url without /v1>/metrics")
     m.add_argument("--frontends", type=int, default=1, help="frontends of a --launch stack")
+    m.add_argument("--online", action="store_true",
+                   help="offline mode: then serve the same requests through a launched stack "
+                        "over HTTP (--frontends, --max-concurrency) and print online / offline "
+                        "with the CPU seconds each process took")
     a = p.add_argument_group("arrival")
     a.add_argument("--request-rate", type=float, default=float("inf"),
                    help="Poisson arrivals per second (seeded); inf = all at once")
@@ -77,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _mode(args: argparse.Namespace) -> str:
     if args.native:
         return "zmq"
+    if args.online and (args.launch or args.url or args.transport):
+        raise SystemExit("pagoda bench: --online adds a launched HTTP run to an offline one; "
+                         "drop --launch/--url/--transport")
     if args.launch or args.url:
         return args.transport or "http"
     if args.transport:
@@ -141,12 +148,14 @@ def _tokenizer(model_dir: Path) -> Any:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from pagoda.bench.report import build_report
+    from pagoda.bench.report import add_online, build_report
     from pagoda.model_fetch import resolve_model
 
     mode, progress = _mode(args), not args.no_progress
     baselines = set(args.baseline or ())
     bs1: dict[str, float] | None = None
+    cpu: dict[str, float | None] | None = None  # a launched run's CPU seconds by role
+    online: tuple[list[Any], dict[str, Any], dict[str, float | None] | None] | None = None
     max_model_len = 0  # the offline engine's, which the vLLM baseline is given too
     model_dir = resolve_model(_settings(args).model)
     dtype = engine_dtype(args)
@@ -174,9 +183,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             bs1 = measure_bs1(llm, bs1_probe(work), BS1_OUTPUT)
         max_model_len = llm.engine.max_model_len
         del llm  # free its KV cache before the baseline loads another copy of the model
+        if args.online:  # the same requests through pagoda serve, after the offline run
+            online = _run_online(args, "http", str(model_dir), work, progress, launch=True)
     else:
         work = load_workload(args, model_dir, _tokenizer(model_dir))
-        records, scheduler = _run_online(args, mode, str(model_dir), work, progress)
+        records, scheduler, cpu = _run_online(args, mode, str(model_dir), work, progress,
+                                              launch=args.launch)
     hf = vllm = None
     if "vllm" in baselines:
         from pagoda.bench.baseline_vllm import run_vllm_baseline
@@ -200,7 +212,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "max_concurrency": args.max_concurrency, "engine": _engine_settings(args),
         "engine_dtype": dtype,
     }
-    report = build_report(config, records, scheduler, hf, vllm=vllm, bs1=bs1)
+    report = build_report(config, records, scheduler, hf, vllm=vllm, bs1=bs1, cpu=cpu)
+    if online is not None:
+        add_online(report, online[0], online[2], {"transport": "http", "frontends": args.frontends,
+                                                  "max_concurrency": args.max_concurrency})
     if roofline_machine is not None:
         from pagoda.bench.roofline import ceiling, count_parameters, matmul_parameters
 
@@ -212,7 +227,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _run_online(args: argparse.Namespace, mode: str, model_dir: str, work: Workload,
-                progress: bool) -> tuple[list[Any], dict[str, Any]]:
+                progress: bool, *, launch: bool,
+                ) -> tuple[list[Any], dict[str, Any], dict[str, float | None] | None]:
+    """The records, the scheduler's figures and, for a launched stack, the CPU seconds
+    each role took during the run (None for a server run elsewhere)."""
     from pagoda.bench.runner_online import HttpSender, ZmqSender, bench_online
 
     def go(url: str | None, native: tuple[str, ...], metrics_url: str | None) -> Any:
@@ -223,15 +241,21 @@ def _run_online(args: argparse.Namespace, mode: str, model_dir: str, work: Workl
         return asyncio.run(bench_online(make, work, metrics_url, args.request_rate,
                                         args.max_concurrency, args.seed, progress, f"pagoda {mode}"))
 
-    if args.launch:
+    if launch:
+        from pagoda.bench.cpu_usage import CpuMeter
         from pagoda.bench.launch import launched_stack
 
         with launched_stack(model_dir, args.frontends, _engine_settings(args)) as stack:
-            return go(stack.http_base, stack.native, args.metrics_url or stack.metrics_url)  # type: ignore[no-any-return]
+            meter = CpuMeter(stack.pids)
+            meter.start()  # the warm-up counts too: it is two short requests
+            records, scheduler = go(stack.http_base, stack.native,
+                                    args.metrics_url or stack.metrics_url)
+            return records, scheduler, meter.stop()
     metrics = args.metrics_url
     if metrics is None and args.url:
         metrics = args.url.rstrip("/").removesuffix("/v1") + "/metrics"
-    return go(args.url, tuple(args.native or ()), metrics)  # type: ignore[no-any-return]
+    records, scheduler = go(args.url, tuple(args.native or ()), metrics)
+    return records, scheduler, None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,6 +23,7 @@ class StackAddresses:
     http_base: str  # http://127.0.0.1:PORT/v1
     metrics_url: str  # http://127.0.0.1:PORT/metrics
     native: tuple[str, ...]  # one native-API address per frontend
+    pids: dict[str, int]  # child name (worker-0, scheduler, frontend-0, ...) -> process id
 
 
 def free_port() -> int:
@@ -47,6 +48,7 @@ def launched_stack(model_dir: str, num_frontends: int = 1,
         try:
             stack.start()
             base = f"http://127.0.0.1:{port}"
-            yield StackAddresses(f"{base}/v1", f"{base}/metrics", config.endpoints.frontend_native)
+            yield StackAddresses(f"{base}/v1", f"{base}/metrics", config.endpoints.frontend_native,
+                                 {c.name: c.proc.pid for c in stack.children})
         finally:
             stack.stop()

@@ -22,8 +22,9 @@ LATENCIES = (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s",
 def build_report(config: dict[str, Any], records: list[RequestRecord], scheduler: dict[str, Any],
                  hf: dict[str, Any] | None = None, roofline: dict[str, Any] | None = None,
                  *, vllm: dict[str, Any] | None = None, bs1: dict[str, float] | None = None,
-                 ) -> dict[str, Any]:
-    pagoda = {**summarize(records), "scheduler": scheduler, "bs1": bs1}
+                 cpu: dict[str, float | None] | None = None) -> dict[str, Any]:
+    """``cpu``: a launched stack's CPU seconds by role during the run (``CpuMeter``)."""
+    pagoda = {**summarize(records), "scheduler": scheduler, "bs1": bs1, "cpu_s": cpu}
     comparison = None
     vs_vllm = None
     if vllm is not None:
@@ -54,6 +55,16 @@ def build_report(config: dict[str, Any], records: list[RequestRecord], scheduler
         "samples": {**record_lists(records),
                     "throughput_over_time": {"t_s": t, "output_tok_s": tok_s}},
     }
+
+
+def add_online(report: dict[str, Any], records: list[RequestRecord],
+               cpu: dict[str, float | None] | None, setup: dict[str, Any]) -> None:
+    """Adds the same requests served online (``--online``) beside the offline run: its
+    figures, the CPU seconds by role, and online / offline output throughput."""
+    online = {**summarize(records), "cpu_s": cpu, **setup}
+    report["online"] = online
+    report["comparison_online"] = {
+        "output_tok_s_ratio": _ratio(online["output_tok_s"], report["pagoda"]["output_tok_s"])}
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -96,6 +107,18 @@ def format_text(report: dict[str, Any]) -> str:
     lines.append(f"  scheduler: KV usage peak {_pct(s['kv_usage_peak'])}, preemptions "
                  f"{_f(s['num_preemptions'], 0)}, prefix-cache hits {_f(s['prefix_cache_hits'], 0)}"
                  f"/{_f(s['prefix_cache_queries'], 0)} tokens ({_pct(s['prefix_cache_hit_rate'])})")
+    if p.get("cpu_s"):
+        lines.append("  " + _cpu_text(p["cpu_s"]))
+    o = report.get("online")
+    if o is not None:
+        lines.append(f"  online ({o['transport']}, {o['frontends']} frontends, concurrency "
+                     f"{o['max_concurrency'] or 'unlimited'}): output {_f(o['output_tok_s'])} "
+                     f"tok/s ({o['num_failed']} failed), TTFT p50 "
+                     f"{_f(_ms(o['ttft_s']['p50']))} ms, TPOT p50 {_f(_ms(o['tpot_s']['p50']))} ms")
+        lines.append(f"  online / offline output tok/s: "
+                     f"{_f(report['comparison_online']['output_tok_s_ratio'], 3)}x")
+        if o.get("cpu_s"):
+            lines.append("  online " + _cpu_text(o["cpu_s"]))
     hf, cmp = report["baseline_hf"], report["comparison"]
     if hf is not None and cmp is not None:
         for dtype, by_bs in hf["static_batch_output_tok_s"].items():
@@ -127,6 +150,16 @@ def format_text(report: dict[str, Any]) -> str:
                      f"output tok/s ({r['bound']}-bound); pagoda reached {_pct(r['fraction'])}")
         lines.append(f"  ({r['definition']})")
     return "\n".join(lines)
+
+
+def _cpu_text(cpu: dict[str, float | None]) -> str:
+    wall = cpu.get("wall_s") or 0.0
+    parts = [f"{role} {_f(sec)}" for role, sec in cpu.items() if role != "wall_s"]
+    return f"CPU seconds over {_f(wall)} s wall: " + ", ".join(parts)
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e3
 
 
 def _f(x: float | None, digits: int = 1) -> str:

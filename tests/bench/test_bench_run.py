@@ -160,3 +160,34 @@ def test_http_sender_records_a_refused_request() -> None:
 
     records = asyncio.run(go())
     assert all(not r.ok and "503" in (r.error or "") for r in records)
+
+
+def test_online_beside_offline_serves_the_same_requests(tiny_smollm_dir: Path, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """``--online``: the offline run, then the same requests through a launched stack over
+    HTTP with two frontends; the report has both, their ratio and the CPU by role."""
+    out_json = tmp_path / "r.json"
+    rc = pagoda_main(["bench", "--model", str(tiny_smollm_dir), "--num-requests", "6",
+                      "--prompt-len", "8,24", "--output-len", "fixed:5", "--online",
+                      "--frontends", "2", "--max-concurrency", "4", "--dtype", "float32",
+                      "--output-json", str(out_json), "--no-progress"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "online / offline output tok/s" in text and "online CPU seconds" in text
+    report = json.loads(out_json.read_text())
+    o, p = report["online"], report["pagoda"]
+    assert (o["num_completed"], o["num_failed"], o["output_tokens"]) == (6, 0, 30)
+    assert o["prompt_tokens"] == p["prompt_tokens"]  # the same requests
+    assert (o["transport"], o["frontends"], o["max_concurrency"]) == ("http", 2, 4)
+    assert o["mean_in_flight"] <= 4 + 1e-9
+    assert report["comparison_online"]["output_tok_s_ratio"] == pytest.approx(
+        o["output_tok_s"] / p["output_tok_s"])
+    cpu = o["cpu_s"]
+    assert set(cpu) == {"worker", "scheduler", "frontends", "client", "wall_s"}
+    assert all(cpu[role] > 0 for role in ("worker", "scheduler", "frontends", "client"))
+    assert p["cpu_s"] is None  # the offline run is one process: nothing to split
+
+
+def test_online_with_launch_is_refused() -> None:
+    with pytest.raises(SystemExit, match="--online"):
+        pagoda_main(["bench", "--online", "--launch", "--no-progress"])
