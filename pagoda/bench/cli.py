@@ -179,7 +179,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         warm_up(llm, work)
         records, scheduler = run_offline(llm, work, args.request_rate, args.max_concurrency,
                                          args.seed, progress)
-        if "vllm" in baselines:  # batch-1 latencies, as vLLM's are measured
+        if "vllm" in baselines or args.roofline:  # batch-1 latencies, as vLLM's are measured
             bs1 = measure_bs1(llm, bs1_probe(work), BS1_OUTPUT)
         max_model_len = llm.engine.max_model_len
         del llm  # free its KV cache before the baseline loads another copy of the model
@@ -221,8 +221,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         bytes_per_param = 4 if dtype == "float32" else 2
         layer_params, lm_head_params = matmul_parameters(model_dir)
-        report["roofline"] = ceiling(roofline_machine, count_parameters(model_dir), bytes_per_param,
-                                     report["pagoda"], layer_params, lm_head_params)
+        roof = ceiling(roofline_machine, count_parameters(model_dir), bytes_per_param,
+                       report["pagoda"], layer_params, lm_head_params)
+        # batch-1 TPOT against its floor: one read of every weight at the measured bandwidth
+        roof["bs1_tpot_vs_weights_read"] = bs1["tpot_s"] / roof["weights_read_s"] if bs1 else None
+        report["roofline"] = roof
     return report
 
 

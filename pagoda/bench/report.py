@@ -148,6 +148,11 @@ def format_text(report: dict[str, Any]) -> str:
                      f"x {r['bytes_per_param']} B")
         lines.append(f"  roofline at B = {r['batch']:.1f}: ceiling {_f(r['ceiling_output_tok_s'])} "
                      f"output tok/s ({r['bound']}-bound); pagoda reached {_pct(r['fraction'])}")
+        if r.get("bs1_tpot_vs_weights_read") is not None:
+            lines.append(f"  bs1 TPOT {_f(p['bs1']['tpot_s'] * 1e3, 2)} ms = "
+                         f"{_f(r['bs1_tpot_vs_weights_read'], 2)}x one read of the weights "
+                         f"({_f(r['weights_read_s'] * 1e3, 2)} ms at "
+                         f"{r['mem_read_bytes_s'] / 1e9:.1f} GB/s)")
         lines.append(f"  ({r['definition']})")
     return "\n".join(lines)
 

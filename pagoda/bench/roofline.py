@@ -141,5 +141,6 @@ def ceiling(machine: dict[str, Any], params: int, bytes_per_param: int, summary:
         # pure decode (no prompts): one step of B tokens costs max(weights read, B * 2P FLOPs)
         "decode_ceiling_bs1_tok_s": 1.0 / max(step_weights, 2 * params / flops),
         "decode_ceiling_at_batch_tok_s": batch / max(step_weights, batch * 2 * params / flops),
+        "weights_read_s": step_weights,  # the floor of a batch-1 decode step (TPOT)
         "definition": CEILING_DEFINITION,
     }

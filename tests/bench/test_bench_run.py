@@ -34,7 +34,9 @@ def test_offline_bench_writes_consistent_json_and_png(tiny_llama_dir: Path, tmp_
     report = json.loads(out_json.read_text())
     assert set(report) == {"config", "pagoda", "baseline_hf", "comparison", "baseline_vllm",
                            "comparison_vllm", "roofline", "samples"}
-    assert report["baseline_vllm"] is None and report["pagoda"]["bs1"] is None
+    assert report["baseline_vllm"] is None
+    bs1 = report["pagoda"]["bs1"]  # --roofline measures batch-1 latency against its floor
+    assert bs1["ttft_s"] > 0 and bs1["tpot_s"] > 0
     assert report["config"]["mode"] == "offline" and report["config"]["max_concurrency"] == 3
     assert report["config"]["engine_dtype"] == "bfloat16"
     p = report["pagoda"]
@@ -70,6 +72,9 @@ def test_offline_bench_writes_consistent_json_and_png(tiny_llama_dir: Path, tmp_
     assert r["matmul_flops"] > 1e8 and r["mem_read_bytes_s"] > 1e8
     assert r["matmul_dtype"] == "bfloat16" and r["bytes_per_param"] == 2
     assert r["fraction"] == pytest.approx(p["output_tok_s"] / r["ceiling_output_tok_s"])
+    assert r["weights_read_s"] == pytest.approx(r["params"] * 2 / r["mem_read_bytes_s"])
+    assert r["bs1_tpot_vs_weights_read"] == pytest.approx(bs1["tpot_s"] / r["weights_read_s"])
+    assert "one read of the weights" in text
     assert report["samples"]["throughput_over_time"]["t_s"]
 
 
