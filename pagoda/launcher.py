@@ -37,7 +37,14 @@ from shared.config import (
     load_config,
     resolve,
 )
-from shared.ipc import ReadyError, die_with_parent, private_run_dir, usable_cpus, wait_ready
+from shared.ipc import (
+    ReadyError,
+    die_with_parent,
+    lower_cpu_priority,
+    private_run_dir,
+    usable_cpus,
+    wait_ready,
+)
 
 
 @dataclass
@@ -74,14 +81,21 @@ def free_tcp_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def start_child(name: str, module: str, args: list[str], env: dict[str, str]) -> Child:
+def start_child(name: str, module: str, args: list[str], env: dict[str, str],
+                nice: int = 0) -> Child:
+    """``nice``: how far below the launcher's CPU priority the child runs."""
     read_fd, write_fd = os.pipe()
+
     # preexec_fn: PR_SET_PDEATHSIG has no Popen equivalent; die_with_parent is one prctl
-    # call, taking no lock a thread of ours could hold across the fork
+    # call and nice one syscall, taking no lock a thread of ours could hold across the fork
+    def before_exec() -> None:
+        die_with_parent()
+        lower_cpu_priority(nice)
+
     proc = subprocess.Popen(
         [sys.executable, "-m", module, "--ready-fd", str(write_fd), *args],
         env={**os.environ, **env}, pass_fds=(write_fd,),
-        preexec_fn=die_with_parent,  # noqa: PLW1509
+        preexec_fn=before_exec,  # noqa: PLW1509
         cwd=Path(__file__).resolve().parent.parent,
     )
     os.close(write_fd)
@@ -107,10 +121,13 @@ class Stack:
         for rank in range(ranks):
             self.children.append(start_child(f"worker-{rank}", "services.worker.main",
                                              ["--rank", str(rank), *threads], env))
-        self.children.append(start_child("scheduler", "services.scheduler.main", [], env))
+        # below the worker: their wake-ups must not stall its lockstep threads
+        nice = self.config.process.service_nice
+        self.children.append(start_child("scheduler", "services.scheduler.main", [], env, nice))
         for i in range(self.config.process.num_frontends):
             self.children.append(start_child(
-                f"frontend-{i}", "services.tokenizer.main", ["--frontend-index", str(i)], env))
+                f"frontend-{i}", "services.tokenizer.main", ["--frontend-index", str(i)], env,
+                nice))
         timeout = self.config.process.startup_timeout_s
         for child in self.children:
             try:

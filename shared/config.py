@@ -184,6 +184,11 @@ class ProcessSettings:
     curve_keys: str | None = None
     socket_hwm: int = DEFAULT_HWM
     max_frame_bytes: int = MAX_FRAME_BYTES
+    # the CPU nice value `pagoda serve` starts the scheduler and frontends with (0-19): the
+    # worker's threads fill the cores in lockstep, so a wake-up of theirs at the same
+    # priority stalls a whole parallel step (~10% of the throughput on 2 cores); at a
+    # lower priority they run in the gaps. 0: the worker's priority
+    service_nice: int = 19
     startup_timeout_s: float = 300.0  # for a child's ready report (model load included)
     shutdown_timeout_s: float = 30.0  # drain time after SIGTERM
     step_timeout_s: float = 60.0  # a step without a result this long: the engine is dead
@@ -211,6 +216,8 @@ class ProcessSettings:
             raise ConfigError("num_frontends must be >= 1 and frontend_index >= 0")
         if self.rank < 0:
             raise ConfigError(f"rank: must be >= 0, got {self.rank}")
+        if not 0 <= self.service_nice <= 19:
+            raise ConfigError(f"service_nice: must be in [0, 19], got {self.service_nice}")
         if not self.cache_dir:
             raise ConfigError("cache_dir: must not be empty")
         if not 0 < self.http_port < 65536:
@@ -426,6 +433,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("socket_hwm", "process", int, _PROC.socket_hwm, "ZMQ high-water mark (messages)"),
     Setting("max_frame_bytes", "process", _parse_bytes, _PROC.max_frame_bytes,
             "largest ZMQ frame accepted"),
+    Setting("service_nice", "process", int, _PROC.service_nice,
+            "CPU nice value (0-19) serve gives the scheduler and frontends, below the "
+            "worker's; 0: the same as the worker"),
     Setting("startup_timeout_s", "process", float, _PROC.startup_timeout_s,
             "seconds to wait for a child process to report ready"),
     Setting("shutdown_timeout_s", "process", float, _PROC.shutdown_timeout_s,

@@ -244,6 +244,14 @@ def die_with_parent() -> None:
         pass
 
 
+def lower_cpu_priority(nice: int) -> None:
+    """Raise this thread's nice value by ``nice`` (on Linux a thread's own; threads it
+    starts later inherit it; in a ``preexec_fn``, before exec, the whole new process's).
+    No-op at 0 or where the platform has no ``os.nice``."""
+    if nice > 0 and hasattr(os, "nice"):
+        os.nice(nice)
+
+
 # -- ready handshake between a parent and its child process ----------------------------------
 
 

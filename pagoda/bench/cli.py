@@ -18,6 +18,8 @@ import argparse
 import asyncio
 import json
 import sys
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -244,6 +246,19 @@ def _run_online(args: argparse.Namespace, mode: str, model_dir: str, work: Workl
         return asyncio.run(bench_online(make, work, metrics_url, args.request_rate,
                                         args.max_concurrency, args.seed, progress, f"pagoda {mode}"))
 
+    def go_beside_stack(*addresses: Any) -> Any:
+        # the client shares the stack's cores: it runs at the scheduler's and frontends'
+        # priority, below the worker's, in a thread of its own (a thread's nice value is its
+        # own on Linux, and this process's other work keeps its priority)
+        from shared.config import ProcessSettings
+        from shared.ipc import lower_cpu_priority
+
+        def client() -> Any:
+            lower_cpu_priority(ProcessSettings().service_nice)  # the launched stack's default
+            return go(*addresses)
+
+        return _run_in_thread(client)
+
     if launch:
         from pagoda.bench.cpu_usage import CpuMeter
         from pagoda.bench.launch import launched_stack
@@ -251,14 +266,32 @@ def _run_online(args: argparse.Namespace, mode: str, model_dir: str, work: Workl
         with launched_stack(model_dir, args.frontends, _engine_settings(args)) as stack:
             meter = CpuMeter(stack.pids)
             meter.start()  # the warm-up counts too: it is two short requests
-            records, scheduler = go(stack.http_base, stack.native,
-                                    args.metrics_url or stack.metrics_url)
+            records, scheduler = go_beside_stack(stack.http_base, stack.native,
+                                                 args.metrics_url or stack.metrics_url)
             return records, scheduler, meter.stop()
     metrics = args.metrics_url
     if metrics is None and args.url:
         metrics = args.url.rstrip("/").removesuffix("/v1") + "/metrics"
     records, scheduler = go(args.url, tuple(args.native or ()), metrics)
     return records, scheduler, None
+
+
+def _run_in_thread(fn: Callable[[], Any]) -> Any:
+    """fn() in a new thread, its result or exception handed back here."""
+    out: dict[str, Any] = {}
+
+    def body() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 (re-raised in the caller's thread)
+            out["error"] = e
+
+    thread = threading.Thread(target=body, name="bench-client")
+    thread.start()
+    thread.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
 
 
 def main(argv: list[str] | None = None) -> int:

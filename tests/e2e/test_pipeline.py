@@ -106,6 +106,21 @@ def test_killed_client_is_aborted_and_its_blocks_freed(live_stack: LiveStack, sm
     assert_idle_and_clean(live_stack, start)
 
 
+def _nice(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat[stat.rindex(")") + 2:].split()[16])  # field 19 of stat(5)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
+def test_scheduler_and_frontends_run_below_the_worker(live_stack: LiveStack) -> None:
+    """service_nice (default 19): the worker keeps the launcher's priority, the roles whose
+    wake-ups would stall its lockstep threads run at the lowest."""
+    base = _nice(live_stack.proc.pid)
+    low = min(19, base + 19) - base  # nice values stop at 19
+    assert {name: _nice(pid) - base for name, pid in live_stack.pids.items()} == {
+        "worker-0": 0, "scheduler": low, "frontend-0": low, "frontend-1": low}
+
+
 def test_malformed_frames_on_every_bound_socket_are_dropped(live_stack: LiveStack) -> None:
     start = len(live_stack.log())
     pack = msgspec.msgpack.encode

@@ -96,6 +96,8 @@ def test_local_endpoints_are_ipc_files_in_the_run_dir(tmp_path: Path) -> None:
         ({"PAGODA_HTTP_PORT": "70000"}, "http_port"),
         ({"PAGODA_SCHEDULER_STEP": "udp://x:1"}, "scheduler_step"),
         ({"PAGODA_FRONTEND_INDEX": "2"}, "frontend_index"),
+        ({"PAGODA_SERVICE_NICE": "20"}, "service_nice"),
+        ({"PAGODA_SERVICE_NICE": "-1"}, "service_nice"),
     ],
 )
 def test_bad_values_name_the_setting(env: dict[str, str], match: str) -> None:

@@ -183,3 +183,30 @@ def test_usable_cpus_follows_the_affinity_not_the_host() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, cwd=Path(__file__).resolve().parents[2])
     assert out.stdout.strip() == "1"
+
+
+@pytest.mark.skipif(not hasattr(os, "nice"), reason="no os.nice")
+def test_lower_cpu_priority_is_the_calling_threads_own() -> None:
+    """In a thread: that thread's nice value rises, the process's main thread keeps its
+    own (what the bench's client thread relies on)."""
+    import threading
+
+    from shared.ipc import lower_cpu_priority
+
+    main_before = os.getpriority(os.PRIO_PROCESS, 0)
+    seen: dict[str, int] = {}
+
+    def body() -> None:
+        tid = threading.get_native_id()
+        before = os.getpriority(os.PRIO_PROCESS, tid)
+        lower_cpu_priority(5)
+        seen["delta"] = os.getpriority(os.PRIO_PROCESS, tid) - before
+        lower_cpu_priority(0)  # no-op
+        seen["again"] = os.getpriority(os.PRIO_PROCESS, tid) - before
+
+    t = threading.Thread(target=body)
+    t.start()
+    t.join()
+    expected = min(19, main_before + 5) - main_before
+    assert seen == {"delta": expected, "again": expected}
+    assert os.getpriority(os.PRIO_PROCESS, 0) == main_before
