@@ -15,7 +15,8 @@ import torch
 from kernels.cpu_attention_checks import check_buffers, check_heads, window_and_softcap
 from kernels.cpu_extension import CSRC, SCALAR_HEADER, LazyExtension, build_extension
 
-_SOURCE, _HEADERS = CSRC / "cpu_decode.cpp", [CSRC / "cpu_decode_blocks.h", SCALAR_HEADER]
+_SOURCE = CSRC / "cpu_decode.cpp"
+_HEADERS = [CSRC / "cpu_decode_blocks.h", CSRC / "cpu_reduce16.h", SCALAR_HEADER]
 OP_NAMESPACE = "pagoda_cpu_decode"  # the source's default PAGODA_OP_NS
 
 

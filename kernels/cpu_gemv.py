@@ -31,7 +31,7 @@ OP_NAMESPACE = "pagoda_cpu_gemv"  # the source's default PAGODA_OP_NS
 def build_library(namespace: str = OP_NAMESPACE, defines: tuple[str, ...] = ()) -> None:
     """Compile (or load from the cache) the kernel as ``torch.ops.<namespace>``; tests
     build the portable path as a variant (``defines=("PAGODA_PORTABLE",)``)."""
-    build_extension(namespace, _SOURCE, [SCALAR_HEADER], defines=defines)
+    build_extension(namespace, _SOURCE, [CSRC / "cpu_reduce16.h", SCALAR_HEADER], defines=defines)
 
 
 # a lambda: the source path is read at build time

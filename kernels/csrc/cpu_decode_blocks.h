@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "cpu_reduce16.h"
 #include "cpu_scalar.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
@@ -62,24 +63,7 @@ inline __m512 load16(const uint16_t* p, __mmask16 m) {  // bf16 is the top half 
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-// r[i] = sum of the lanes of v[i], i < 16: a pairwise tree of unpacks and lane shuffles,
-// ~3 instructions per result instead of a full horizontal sum each.
-__attribute__((always_inline)) inline __m512 reduce16(const __m512* v) {
-  __m512 a[8], b[4], c[2];
-  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3]
-    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: the 4 rows' partial sums
-    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
-    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
-                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-  }
-  for (int i = 0; i < 2; ++i)  // fold 128-bit lanes pairwise
-    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88),
-                       _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
-}
+using pagoda_cpu_simd::reduce16;  // cpu_reduce16.h
 
 // scores[i, pos + t] = q[i] . k[t] for the GT query rows of a tile (q: [GT, D]; scores:
 // rows part_tokens apart) and the block's tokens (k: the tile's kv head in the block).

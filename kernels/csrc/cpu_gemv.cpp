@@ -42,6 +42,7 @@
 #include <optional>
 #include <vector>
 
+#include "cpu_reduce16.h"
 #include "cpu_scalar.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
@@ -102,24 +103,7 @@ constexpr int streams(int mt) { return mt >= 8 ? 2 : 1; }
 constexpr int ksplit(int mt) { return mt <= 4 ? 2 : 1; }
 constexpr int rows_per_tile(int mt) { return 16 / mt / streams(mt) * streams(mt); }
 
-// r[i] = sum of the lanes of v[i], i < 16: a pairwise tree of unpacks and lane shuffles,
-// ~3 instructions per result instead of a full horizontal sum each (as cpu_decode).
-__attribute__((always_inline)) inline __m512 reduce16(const __m512* v) {
-  __m512 a[8], b[4], c[2];
-  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3]
-    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: the 4 rows' partial sums
-    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
-    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
-                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-  }
-  for (int i = 0; i < 2; ++i)  // fold 128-bit lanes pairwise
-    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88),
-                       _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
-}
+using pagoda_cpu_simd::reduce16;  // cpu_reduce16.h
 
 inline __m512bh load_bh(const uint16_t* p, __mmask32 m) {  // all ones: a plain load
   return (__m512bh)_mm512_maskz_loadu_epi16(m, p);
