@@ -189,7 +189,10 @@ def test_online_beside_offline_serves_the_same_requests(tiny_smollm_dir: Path, t
         o["output_tok_s"] / p["output_tok_s"])
     cpu = o["cpu_s"]
     assert set(cpu) == {"worker", "scheduler", "frontends", "client", "wall_s"}
-    assert all(cpu[role] > 0 for role in ("worker", "scheduler", "frontends", "client"))
+    # clock ticks are 10 ms: the scheduler's and frontends' share of a run this short can
+    # read 0; the worker's forward passes and the client's own time cannot
+    assert all(cpu[role] >= 0 for role in ("scheduler", "frontends"))
+    assert cpu["worker"] > 0 and cpu["client"] > 0
     assert p["cpu_s"] is None  # the offline run is one process: nothing to split
 
 
