@@ -1,8 +1,7 @@
 """``--roofline``: the machine's limits, and how close a run came to them.
 
 Measured here with torch, a few seconds in all: matmul FLOP/s in the dtype the engine
-computes in (large square products, the faster of torch.mm and, on a CPU, the engine's
-own oneDNN linear on a packed weight) and memory read bandwidth (summing a buffer far
+computes in (large square products) and memory read bandwidth (summing a buffer far
 larger than the caches).
 
 The ceiling (``CEILING_DEFINITION``) is a roofline for the workload as run: every token
@@ -79,6 +78,9 @@ def _timed(fn: Any, device: str, budget_s: float) -> float:
 
 def measure_matmul_flops(device: str = "cpu", n: int | None = None, budget_s: float = 1.5,
                          dtype: str = "float32") -> float:
+    """FLOP/s of n x n products: the faster of torch.mm and, on a CPU, the engine's own
+    oneDNN linear on a packed weight. (This module's docstring is part of the bench
+    workload's corpus, ``workload.corpus_text``: edit it and the prompts change.)"""
     import torch
 
     n = n or (8192 if device.startswith("cuda") else 1024)
