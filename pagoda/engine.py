@@ -7,6 +7,12 @@ processes that receive each step from it (``services/worker/step_relay.py``).
 Structured output runs the scheduler's ``StructuredOutputManager`` too; ``add_request``
 waits for the request's grammar to compile (the scheduler process never does), so an
 unusable constraint is a ValueError there and a step never finds one compiling.
+
+With ``async_scheduling`` (the default) each ``step`` schedules and runs step N+1
+before it applies step N's result, the order the scheduler process keeps with its
+workers: the same scheduler code runs, so ``pagoda.LLM`` and the tests exercise it, and
+the tokens are the same either way. Outputs then come one call later; an abort between
+two calls lands while a step is out, as it does in the pipeline.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from services.worker.parallel import CollectiveTimer
 from services.worker.runner_builder import RunnerSpec, build_runner
 from services.worker.step_relay import TensorParallelGroup, check_split
 from shared.config import EngineSettings
-from shared.protocol import EngineOutput, StepBatch
+from shared.protocol import EngineOutput, StepBatch, StepResult
 from shared.sampling_params import SamplingParams
 
 
@@ -51,6 +57,9 @@ class EngineCore:
             vocab_size=vocab_size, eos_token_ids=eos_ids, strict_invariants=strict_invariants,
         ), structured_output=self.structured_output)
         self.step_trace: list[StepBatch] | None = None  # tests switch it on
+        self.async_scheduling = settings.async_scheduling
+        # async scheduling: the step run ahead of its update, and its result
+        self._ahead: tuple[StepBatch, StepResult] | None = None
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if params.structured_outputs is not None:
@@ -64,18 +73,36 @@ class EngineCore:
         return self.scheduler.abort_request(request_ids, index)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self._ahead is not None or self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[EngineOutput]:
+        if not self.async_scheduling:
+            batch = self._schedule()
+            return self.scheduler.update(batch, self._run(batch))
+        if self._ahead is None:
+            first = self._schedule()
+            self._ahead = (first, self._run(first))
+        batch, result = self._ahead
+        self._ahead = None
+        if self.scheduler.has_unfinished_requests():
+            ahead = self._schedule()
+            # nothing to run ahead (every sequence waits for this result): not sent
+            if ahead.scheduled_request_ids or ahead.finished_request_ids:
+                self._ahead = (ahead, self._run(ahead))
+        return self.scheduler.update(batch, result)
+
+    def _schedule(self) -> StepBatch:
         batch = self.scheduler.schedule()
         errors = self.scheduler.take_errors()
         if errors:  # not expected: add_request compiled every grammar
             raise RuntimeError("; ".join(f"request {rid}: {msg}" for rid, _, msg in errors))
+        return batch
+
+    def _run(self, batch: StepBatch) -> StepResult:
         if self.step_trace is not None:
             self.step_trace.append(batch)
         self._group.relay_step(batch)
-        result = self.runner.execute(batch)
-        return self.scheduler.update(batch, result)
+        return self.runner.execute(batch)
 
     def collective_timer(self) -> CollectiveTimer | None:
         """Rank 0's time in collectives (None with one rank)."""

@@ -112,6 +112,8 @@ class EngineSettings:
     max_num_seqs: int = 256  # running requests per step
     max_num_batched_tokens: int = 2048  # tokens per step
     enable_prefix_caching: bool = True
+    # schedule step N+1 while the workers run step N (services/scheduler/scheduler.py)
+    async_scheduling: bool = True
     kv_cache_bytes: int | None = None  # KV pool size on CPU; None: the worker's default
     num_kv_blocks: int | None = None  # overrides kv_cache_bytes
     max_model_len: int | None = None  # None: the model's max_position_embeddings
@@ -373,6 +375,8 @@ SETTINGS: tuple[Setting, ...] = (
             "token budget per step"),
     Setting("enable_prefix_caching", "engine", _parse_bool, _ENGINE.enable_prefix_caching,
             "reuse cached KV blocks of shared prefixes"),
+    Setting("async_scheduling", "engine", _parse_bool, _ENGINE.async_scheduling,
+            "schedule the next step while the workers run this one (same tokens either way)"),
     Setting("kv_cache_bytes", "engine", _optional(_parse_bytes), None, "KV pool size, e.g. 4GiB"),
     Setting("num_kv_blocks", "engine", _optional(int), None, "KV pool size in blocks"),
     Setting("max_model_len", "engine", _optional(int), None, "longest prompt + output"),

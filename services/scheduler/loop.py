@@ -1,22 +1,31 @@
 """The scheduler process's step loop: the core, its sockets, and a watchdog.
 
 One thread polls three sockets (see ``services/scheduler/handshake.py``) and keeps at
-most one step in flight on the workers:
+most one step in flight on the workers, or two with async scheduling (the default):
 
     idle ──(work exists)──► schedule + publish ──► in flight ──(StepResult)──► update,
       ▲                                              │                        send outputs
       └──────────────────────────────────────────────┴────────────────────────────┘
 
+With async scheduling, as soon as step N is published the loop schedules and publishes
+step N+1 (``Scheduler.schedule`` counts what N will compute and sample), so the
+workers find it queued when N ends and start it at once; N's result is applied while
+N+1 runs, then N+2 is published. The workers run steps in the order published. When
+nothing can run ahead (every sequence waits for N's token), the loop tries again only
+once something changes: a result, a new request.
+
 While a step is in flight the loop keeps serving the frontends: an ``AddRequest``
 joins the waiting queue at once (the next ``schedule()`` sees it), a ``Heartbeat`` is
 answered at once, and an ``AbortRequest`` (or a vanished frontend's requests) is held
-and applied just before the step's ``update``, so the aborted sequence reports no
-token of that step and its blocks are freed while no step uses them.
+and applied just before the next ``update``, so the aborted sequence reports no token
+of that step and its blocks are handed out again only by a later ``schedule()``, whose
+step the workers run after every step that used them.
 
 KV cache events (``--kv-events-endpoint``): after every step's ``update`` the block
 manager's recorded events go out as one vLLM-format batch (``kv_events.py``), NOBLOCK.
 
-Forward-progress watchdog: a step with no result for ``step_timeout_s`` means a
+Forward-progress watchdog: a step with no result for ``step_timeout_s`` (counted from
+when it was published, or from the previous step's result when it queued behind it) means a
 wedged or dead worker. Then, as when a worker's step subscription goes away, every
 request fails with ``engine_error``, every frontend that heartbeats is told (an
 engine-wide ``RequestError`` with an empty request id, which turns its /health 503),
@@ -28,6 +37,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import zmq
@@ -62,7 +72,7 @@ WORKER_SILENCE_S = 10.0  # worker heartbeats are 1 s apart (services/worker/main
 @dataclass
 class _InFlight:
     batch: StepBatch
-    started: float  # time.monotonic()
+    started: float  # time.monotonic(): published, or the step before it answered
 
 
 class SchedulerLoop:
@@ -89,7 +99,12 @@ class SchedulerLoop:
         self._subscribers = self.num_workers  # the handshake saw every rank subscribe
         self._heartbeats: dict[bytes, float] = {}  # frontend identity -> last heartbeat
         self._last_silence_check = 0.0
-        self._in_flight: _InFlight | None = None
+        # published steps without a result, oldest first: at most one, or two with
+        # async scheduling (the next step queued behind the one running)
+        self._in_flight: deque[_InFlight] = deque()
+        self._max_in_flight = 2 if config.engine.async_scheduling else 1
+        # nothing could be scheduled ahead: wait for a result or a new request first
+        self._ahead_blocked = False
         # (internal ids, sample index) aborted while a step ran; applied before its update
         self._deferred_aborts: list[tuple[list[str], int | None]] = []
         self._poller = zmq.Poller()
@@ -106,10 +121,13 @@ class SchedulerLoop:
         sched = self.scheduler
         try:
             while not self.stop.is_set():
-                if self._in_flight is None:
+                if not self._in_flight:
                     self._take_frontend_messages()  # what arrived since: into this step
                     if sched.has_unfinished_requests():
                         self._launch()
+                if (0 < len(self._in_flight) < self._max_in_flight and not self._ahead_blocked
+                        and sched.has_unfinished_requests()):
+                    self._launch()
                 self._serve(self._poll_timeout_ms())
                 self._check_watchdog()
                 self._check_workers()
@@ -135,9 +153,9 @@ class SchedulerLoop:
         self._tell_frontends_engine_dead(message)
 
     def _poll_timeout_ms(self) -> int:
-        if self._in_flight is None:
+        if not self._in_flight:
             return POLL_MS
-        left = self._in_flight.started + self.step_timeout_s - time.monotonic()
+        left = self._in_flight[0].started + self.step_timeout_s - time.monotonic()
         return max(0, min(POLL_MS, int(left * 1000) + 1))
 
     def _serve(self, timeout_ms: int) -> None:
@@ -156,6 +174,9 @@ class SchedulerLoop:
         batch = self.scheduler.schedule()
         self._send_request_errors()
         if not batch.scheduled_request_ids and not batch.finished_request_ids:
+            if self._in_flight:  # nothing can run ahead of the step out: wait for it
+                self._ahead_blocked = True
+                return
             # nothing for the workers (only grammars compiling): the step ends here
             self._complete(batch, StepResult(step_id=batch.step_id))
             return
@@ -164,7 +185,7 @@ class SchedulerLoop:
             self.sockets.steps.send(encode(batch), flags=zmq.NOBLOCK)
         except zmq.Again:
             raise EngineDeadError("a worker stopped taking steps (its pipe is full)") from None
-        self._in_flight = _InFlight(batch, time.monotonic())
+        self._in_flight.append(_InFlight(batch, time.monotonic()))
 
     def _take_results(self) -> None:
         while self.sockets.results.poll(0, zmq.POLLIN):
@@ -176,12 +197,16 @@ class SchedulerLoop:
                 if msg.rank in self._worker_beats:
                     self._worker_beats[msg.rank] = time.monotonic()
                 continue
-            flight = self._in_flight
-            if not isinstance(msg, StepResult) or flight is None or msg.step_id != flight.batch.step_id:
+            flights = self._in_flight
+            if (not isinstance(msg, StepResult) or not flights
+                    or msg.step_id != flights[0].batch.step_id):
                 what = f"step {msg.step_id}" if isinstance(msg, StepResult) else type(msg).__name__
                 self.counter.record("scheduler_result", "stale_step", b"", what)
                 continue
-            self._in_flight = None
+            flight = flights.popleft()
+            if flights:  # the step queued behind it starts now: its clock too
+                flights[0].started = time.monotonic()
+            self._ahead_blocked = False
             self._complete(flight.batch, msg)
 
     def _complete(self, batch: StepBatch, result: StepResult) -> None:
@@ -198,7 +223,7 @@ class SchedulerLoop:
             self._log_idle()
 
     def _check_watchdog(self) -> None:
-        flight = self._in_flight
+        flight = self._in_flight[0] if self._in_flight else None
         if flight is not None and time.monotonic() - flight.started > self.step_timeout_s:
             raise EngineDeadError(
                 f"no result for step {flight.batch.step_id} within {self.step_timeout_s:g}s "
@@ -282,9 +307,11 @@ class SchedulerLoop:
         except RequestRejected as e:
             self.router.forget(iid)
             self._send_error(identity, msg.request_id, e.code, str(e))
+            return
+        self._ahead_blocked = False  # it may run in the step ahead
 
     def _abort(self, iids: list[str], index: int | None = None) -> None:
-        if self._in_flight is not None:
+        if self._in_flight:
             self._deferred_aborts.append((iids, index))
         else:
             self._send_outputs(self.scheduler.abort_request(iids, index))

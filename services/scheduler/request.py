@@ -71,6 +71,10 @@ class Request:
     on_worker: bool = False  # the workers hold its state (sent as a NewRequest)
     stop_reason: int | None = None
     num_preemptions: int = 0
+    # async scheduling: what steps published but not yet applied by ``update`` hold of
+    # this sequence, the tokens they compute and the tokens they sample (see Scheduler)
+    num_tokens_ahead: int = 0
+    num_samples_ahead: int = 0
     # structured output: its compiled grammar and matcher (services/scheduler/structured_output.py)
     grammar: SequenceGrammar | None = None
     # prompt_logprobs asked and not delivered yet: [None] + what the steps computed so
@@ -84,6 +88,20 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Its tokens once the steps in flight have sampled theirs."""
+        return len(self.token_ids) + self.num_samples_ahead
+
+    @property
+    def num_computed_ahead(self) -> int:
+        """Its computed tokens once the steps in flight have run."""
+        return self.num_computed_tokens + self.num_tokens_ahead
+
+    @property
+    def results_pending(self) -> bool:
+        return bool(self.num_tokens_ahead or self.num_samples_ahead)
 
     @property
     def prompt_computed(self) -> bool:

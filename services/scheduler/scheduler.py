@@ -17,6 +17,23 @@ alone and still short of blocks, it has reached the pool ceiling and finishes wi
 sampled tokens, applies stop rules (EOS/stop ids, max_tokens, max_model_len), frees
 finished sequences' blocks in the same step, and returns per-sequence outputs.
 
+Async scheduling: ``schedule()`` may run again before the last step's ``update``
+(the loop publishes step N+1 while the workers run step N). It schedules each
+sequence as if the steps in flight had run: a decode in step N is scheduled for one
+more token in N+1, the token N samples, which the workers already hold when they run
+N+1 (their request table appends it), so no round trip through the scheduler sits
+between two steps. ``Request.num_tokens_ahead`` / ``num_samples_ahead`` count what the
+published, unapplied steps hold. A sequence that may end with the token in flight is
+not scheduled ahead when the scheduler can tell (``max_tokens``, ``max_model_len``),
+nor one under a grammar (its next mask needs that token); one that ends by a stop
+token is, and the workers' extra token of it is discarded at the next ``update``.
+A sequence aborted, preempted or finished while its steps are out keeps its blocks'
+reuse behind those steps: the workers run steps in order, and blocks freed now are
+handed out by a later ``schedule()`` only. A preempted sequence still takes the token
+its last step sampled (the step ran on intact blocks) and is not resumed until its
+results are in. Tokens are the same with async scheduling on and off: sampling
+depends only on a sequence's own tokens and seed, not on the batch.
+
 Prompt logprobs: the sequence of a request asking ``prompt_logprobs`` (child 0 only)
 takes no prefix-cache hit, so the workers score every prompt position as its chunks
 run; ``update`` collects the chunks' logprobs and hands them over with its first token.
@@ -135,6 +152,8 @@ class Scheduler:
         self._invariant_failures = 0
         # sequences that ended while scheduling (pool ceiling): reported by the next update
         self._ceiling_outputs: list[EngineOutput] = []
+        # step id -> its sequences in batch order, for each published step not updated yet
+        self._published: dict[int, list[Request]] = {}
 
     # -- requests in and out ---------------------------------------------------------
     def add_request(
@@ -263,7 +282,10 @@ class Scheduler:
                 running_requests.append(RunningRequest(req.seq_id, new_blocks))
             (singles if n == 1 else chunks).append((req.seq_id, n))
         order = singles + chunks
-        grammar_seq_ids, grammar_bitmasks = self._grammar_bitmasks(scheduled, order)
+        # the sequences whose last known token this step computes, so it samples theirs
+        sampling = {seq_id for seq_id, (req, n, _) in scheduled.items()
+                    if req.num_computed_ahead + n == req.num_known_tokens}
+        grammar_seq_ids, grammar_bitmasks = self._grammar_bitmasks(scheduled, order, sampling)
         batch = StepBatch(
             step_id=next(self._step_ids), new_requests=new_requests,
             running_requests=running_requests,
@@ -273,6 +295,12 @@ class Scheduler:
             grammar_seq_ids=grammar_seq_ids, grammar_bitmasks=grammar_bitmasks,
         )
         self._dropped_seq_ids = []
+        if order:
+            self._published[batch.step_id] = [scheduled[seq_id][0] for seq_id, _ in order]
+            for seq_id, n in order:
+                req = scheduled[seq_id][0]
+                req.num_tokens_ahead += n
+                req.num_samples_ahead += seq_id in sampling
         if not self.running and not self.waiting:
             self.check_invariants_on_idle()
         return batch
@@ -282,15 +310,17 @@ class Scheduler:
         decodes: list[Request] = []
         prefills: list[Request] = []
         for r in self.running:
-            (decodes if len(r.token_ids) - r.num_computed_tokens == 1 else prefills).append(r)
+            if r.num_samples_ahead and self._needs_result_first(r):
+                continue
+            (decodes if r.num_known_tokens - r.num_computed_ahead == 1 else prefills).append(r)
         running = RequestStatus.RUNNING
         for req in itertools.chain(decodes, prefills):
             if budget <= 0:
                 break
             if req.status is not running:
                 continue  # preempted earlier in this pass
-            n = min(len(req.token_ids) - req.num_computed_tokens, budget)
-            new_blocks = self._grow_or_preempt(req, n, scheduled)
+            n = min(req.num_known_tokens - req.num_computed_ahead, budget)
+            new_blocks = self._grow_or_preempt(req, req.num_computed_ahead + n, scheduled)
             if new_blocks is None:
                 continue
             scheduled[req.seq_id] = (req, n, new_blocks)
@@ -298,18 +328,27 @@ class Scheduler:
         # preemption may have taken back tokens of victims scheduled earlier this step
         return self.config.max_num_batched_tokens - sum(n for _, n, _ in scheduled.values())
 
+    def _needs_result_first(self, req: Request) -> bool:
+        """Whether a sequence with a token in flight waits for it before its next step:
+        that token may end it at a length limit, or its grammar's next mask needs it."""
+        return (req.grammar is not None
+                or req.num_output_tokens + req.num_samples_ahead >= req.max_tokens
+                or req.num_known_tokens >= self.config.max_model_len)
+
     def _grow_or_preempt(
-        self, req: Request, n: int, scheduled: dict[int, tuple[Request, int, list[int]]]
+        self, req: Request, num_tokens: int, scheduled: dict[int, tuple[Request, int, list[int]]]
     ) -> list[int] | None:
-        """Blocks for n more tokens of req, preempting newer sequences while short."""
+        """Blocks for req's first num_tokens tokens, preempting newer sequences while short."""
         bm = self.block_manager
         while True:
-            new_blocks = bm.append_slots(req.seq_id, req.num_computed_tokens + n)
+            new_blocks = bm.append_slots(req.seq_id, num_tokens)
             if new_blocks is not None:
                 return new_blocks
             victim = self.running[-1]
             if victim is req:
                 if len(self.running) == 1:
+                    if req.results_pending:  # its token in flight comes first, as in order
+                        return None
                     # alone and still short: the pool ceiling; stop it rather than spin
                     self.running.remove(req)
                     self._stop_at_ceiling(req)
@@ -331,7 +370,9 @@ class Scheduler:
             req.on_worker = False
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
-        if req.prompt_logprobs is not None:  # mid-prefill: the prompt is computed again
+        if req.prompt_logprobs is not None and not req.num_samples_ahead:
+            # mid-prefill: the prompt is computed again (with a sample in flight, the
+            # step that samples it scores the prompt's end: update hands them over)
             req.prompt_logprobs = [None]
         req.num_preemptions += 1
         self._num_preemptions += 1
@@ -343,7 +384,9 @@ class Scheduler:
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < cap:
             req = self.waiting[i]
-            if req.status is RequestStatus.WAITING_FOR_GRAMMAR:  # never blocks the queue
+            if req.status is RequestStatus.WAITING_FOR_GRAMMAR or req.results_pending:
+                # never blocks the queue: a grammar compiling, or a sequence preempted
+                # while its last step ran (resumed once that step's token is in)
                 i += 1
                 continue
             shared = self._shared_prefix(req)
@@ -400,29 +443,43 @@ class Scheduler:
     def update(self, batch: StepBatch, result: StepResult) -> list[EngineOutput]:
         """Apply one executed step; outputs for every sequence that sampled or ended."""
         outputs, self._ceiling_outputs = self._ceiling_outputs, []
-        live = {req.seq_id: req for req in self.running}
+        stepped = self._published.pop(batch.step_id, [])
+        if len(stepped) != len(batch.scheduled_request_ids):
+            raise ValueError(f"step {batch.step_id} is not a step this scheduler published "
+                             "and has not applied")
         now = self.clock()
         metrics = self.metrics
         bm = self.block_manager
         block_size = self.config.block_size
-        for seq_id, n in zip(batch.scheduled_request_ids, batch.num_scheduled_tokens):
-            req = live.get(seq_id)
-            if req is None:  # aborted while the step ran
+        running = RequestStatus.RUNNING
+        of_seq: dict[int, Request] = {}
+        for req, n in zip(stepped, batch.num_scheduled_tokens):
+            req.num_tokens_ahead -= n
+            of_seq[req.seq_id] = req
+            if req.status is not running:  # aborted, finished or preempted while it ran
                 continue
             req.num_computed_tokens += n
             if n > 1 or req.num_computed_tokens % block_size == 0:  # a block may have filled
-                bm.cache_full_blocks(seq_id, req.token_ids, req.num_computed_tokens)
+                bm.cache_full_blocks(req.seq_id, req.token_ids, req.num_computed_tokens)
         for chunk in result.prompt_logprobs:
-            req = live.get(chunk.request_id)
-            if req is not None and req.prompt_logprobs is not None:
+            req = of_seq.get(chunk.request_id)
+            if req is None or req.prompt_logprobs is None:
+                continue
+            if req.status is running or (req.status is RequestStatus.PREEMPTED
+                                         and req.num_samples_ahead):
                 req.prompt_logprobs[chunk.start:] = chunk.logprobs
         max_model_len = self.config.max_model_len
         # logprobs may be empty when no sequence of the step asked for them
         all_logprobs = result.logprobs or itertools.repeat(None)
         for seq_id, token, logprobs in zip(result.request_ids, result.sampled_token_ids, all_logprobs):
-            req = live.get(seq_id)
+            req = of_seq.get(seq_id)
             if req is None:
                 continue
+            req.num_samples_ahead -= 1
+            if req.status.finished:  # its token of a step it was scheduled in ahead
+                continue
+            # a sequence preempted while the step ran keeps its token: the step ran on
+            # its blocks before anything else could reuse them
             req.token_ids.append(token)
             metrics.on_token(req, now)
             if req.first_token_time is None:
@@ -432,7 +489,7 @@ class Scheduler:
             if req.grammar is not None:
                 status = self._advance_grammar(req, token, status)
             if status is not None:
-                self.running.remove(req)
+                (self.running if req.status is running else self.waiting).remove(req)
                 self._finish(req, status)
             output = self._output(req, [token], [logprobs])
             if req.prompt_logprobs is not None:  # its first token: the prompt is all scored
@@ -511,13 +568,14 @@ class Scheduler:
                 self._compiling.append(req)
 
     def _grammar_bitmasks(self, scheduled: dict[int, tuple[Request, int, list[int]]],
-                          order: list[tuple[int, int]]) -> tuple[list[int], bytes]:
+                          order: list[tuple[int, int]], samplers: set[int],
+                          ) -> tuple[list[int], bytes]:
         """The masks of the sequences with a grammar that sample this step, in batch order."""
         if not self._num_grammar_seqs:
             return [], b""
         assert self.structured_output is not None
-        sampling = [(req.seq_id, req.grammar) for req, n, _ in (scheduled[s] for s, _ in order)
-                    if req.grammar is not None and req.num_computed_tokens + n == req.num_tokens]
+        sampling = [(req.seq_id, req.grammar) for req, _, _ in (scheduled[s] for s, _ in order)
+                    if req.grammar is not None and req.seq_id in samplers]
         if not sampling:
             return [], b""
         kept, masks = self.structured_output.fill_bitmasks([g for _, g in sampling])

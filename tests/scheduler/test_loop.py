@@ -128,11 +128,12 @@ def stack_factory() -> Iterator[Any]:
     ctx: zmq.Context[Any] = zmq.Context()
     dirs = contextlib.ExitStack()
 
-    def start(hold_s: float, step_timeout_s: float = 60.0) -> Stack:
+    def start(hold_s: float, step_timeout_s: float = 60.0, async_scheduling: bool = True) -> Stack:
         run_dir = dirs.enter_context(private_run_dir())
         endpoints = Endpoints.local(run_dir)
         config = load_config({"block_size": BLOCK_SIZE, "step_timeout_s": step_timeout_s,
-                              "testing": True}, env={}, default_endpoints=endpoints)
+                              "testing": True, "async_scheduling": async_scheduling},
+                             env={}, default_endpoints=endpoints)
         stop = threading.Event()
         counter = MalformedFrameCounter()
         sockets = SchedulerSockets.bind(config)
@@ -188,7 +189,7 @@ def test_heartbeats_are_answered_while_a_step_runs(stack_factory: Any) -> None:
 
 
 def test_abort_mid_step_is_applied_at_that_steps_update(stack_factory: Any) -> None:
-    stack = stack_factory(hold_s=5.0)
+    stack = stack_factory(hold_s=5.0, async_scheduling=False)
     stack.send(add("r1"))
     stack.send(add("r2"))
     first = stack.worker.wait_for_steps(1)
@@ -213,6 +214,48 @@ def test_abort_mid_step_is_applied_at_that_steps_update(stack_factory: Any) -> N
     stack.send(Heartbeat("fe-1"))
     stats, _ = stack.recv_until(EngineStats)
     assert stats.finished_abort == 1
+
+
+def test_async_the_next_step_is_out_before_the_result_and_an_abort_waits(
+        stack_factory: Any) -> None:
+    stack = stack_factory(hold_s=5.0)
+    stack.send(add("r1"))
+    stack.send(add("r2"))
+    first = stack.worker.wait_for_steps(1)
+    assert len(first.scheduled_request_ids) == 2
+    # step 2 is published while step 1 runs: the decodes of the tokens step 1 samples
+    sub_first = {sid: n for sid, n in zip(first.scheduled_request_ids, first.num_scheduled_tokens)}
+    stack.send(AbortRequest(["r1"]))
+    stack.send(add("r3"))
+    stack.send(Heartbeat("fe-1"))
+    stats, before = stack.recv_until(EngineStats, timeout_s=1.0)
+    assert before == [] and stats.running == 2 and stats.waiting == 1
+    stack.worker.release.set()  # every step now runs at once
+    second = stack.worker.wait_for_steps(2)
+    assert second.scheduled_request_ids == first.scheduled_request_ids
+    assert second.num_scheduled_tokens == [1, 1] and second.new_requests == []
+    assert all(n == 5 for n in sub_first.values())
+    outputs, _ = stack.recv_until(EngineOutputs)
+    by_id = {o.request_id: o for o in outputs.outputs}
+    assert by_id["r1"].finish_reason == "abort" and by_id["r1"].new_token_ids == []
+    assert by_id["r2"].finish_reason is None and len(by_id["r2"].new_token_ids) == 1
+    aborted_seq = first.scheduled_request_ids[0]
+    third = stack.worker.wait_for_steps(3)
+    assert aborted_seq in third.finished_request_ids
+    assert aborted_seq not in third.scheduled_request_ids
+    assert len(third.new_requests) == 1, "r3 joins the step after the two out"
+    # r1's token of step 2 (scheduled before the abort) is dropped, never reported
+    tokens: dict[str, list[int]] = {}
+    while True:
+        outputs, _ = stack.recv_until(EngineOutputs)
+        for o in outputs.outputs:
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+            assert o.request_id != "r1", "an aborted request reported again"
+        if len(tokens.get("r3", [])) >= 3:
+            break
+    stack.send(Heartbeat("fe-1"))
+    stats, _ = stack.recv_until(EngineStats)
+    assert stats.finished_abort == 1 and stats.running == 2
 
 
 def test_watchdog_fails_requests_and_exits_1_when_a_step_never_ends(stack_factory: Any) -> None:

@@ -11,6 +11,7 @@ and must start at token 0 (no prefix-cache hit may skip a position it has to sco
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -99,3 +100,40 @@ def run_to_idle(scheduler: Scheduler, worker: FakeWorker,
                 done[key] = out
     assert not scheduler.has_unfinished_requests(), "the scheduler did not drain"
     return done
+
+
+class AheadDriver:
+    """Drives a scheduler core as the loop does with async scheduling: step N+1 is
+    scheduled and run before step N's ``update``. Between two ``step`` calls one step is
+    out (run, not applied): an abort there lands mid-overlap. ``in_gap`` (if given) runs
+    between step N+1's schedule and step N's update, where a sequence preempted by that
+    schedule still has step N's token out."""
+
+    def __init__(self, scheduler: Scheduler, worker: FakeWorker,
+                 in_gap: Callable[[], None] | None = None) -> None:
+        self.scheduler = scheduler
+        self.worker = worker
+        self.in_gap = in_gap
+        self.ahead: tuple[StepBatch, StepResult] | None = None
+        self.num_steps = 0
+
+    def busy(self) -> bool:
+        return self.ahead is not None or self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineOutput]:
+        sched = self.scheduler
+        if self.ahead is None:
+            first = sched.schedule()
+            self.ahead = (first, self.worker.execute(first))
+        batch, result = self.ahead
+        self.ahead = None
+        if sched.has_unfinished_requests():
+            nxt = sched.schedule()
+            if nxt.scheduled_request_ids or nxt.finished_request_ids:
+                self.ahead = (nxt, self.worker.execute(nxt))
+        if self.in_gap is not None:
+            self.in_gap()
+        self.num_steps += 1
+        outs = sched.update(batch, result)
+        sched.check_invariants()
+        return outs
