@@ -21,10 +21,14 @@ from kernels.triton_utils import check_launchable, interpret_mode, next_pow2, tl
 
 # Aim for this many programs per SM before splitting stops paying (two waves hide the
 # tail of the last one); splits shorter than min_tokens_per_split cost more in the
-# reduce than they win in parallelism.
+# reduce than they win in parallelism. Measured on an H200 with a floor of 512 keys a
+# split: batch 1-8 at contexts <= 1k ran 0.29-0.38x torch SDPA, 2-16 programs walking
+# their keys one tile after another on a 132-SM device. A floor of two 64-key tiles
+# puts 8x more programs on those shapes; larger batches (>= 2 programs per SM) are
+# not split at all, as before. To be re-measured by scripts/gpu_check.sh.
 _PROGRAMS_PER_SM = 2
-DEFAULT_MIN_TOKENS_PER_SPLIT = 512
-DEFAULT_MAX_SPLITS = 16
+DEFAULT_MIN_TOKENS_PER_SPLIT = 128
+DEFAULT_MAX_SPLITS = 32
 _INTERPRETER_NUM_SMS = 4  # the interpreter has no SMs; pretend a small device
 
 

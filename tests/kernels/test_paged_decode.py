@@ -104,9 +104,10 @@ def test_decode_heuristic_splits_long_context() -> None:
     "batch,kv_heads,max_len,sms,expected",
     [
         (256, 8, 32768, 132, 1),  # enough programs already: never split
-        (1, 8, 32768, 132, 16),  # one long sequence: split up to the cap
-        (1, 8, 1024, 132, 2),  # splits of at least 512 tokens
-        (4, 8, 400, 132, 1),  # too short to split
+        (64, 8, 1024, 132, 1),  # 512 programs: two per SM and more
+        (1, 8, 32768, 132, 32),  # one long sequence: split up to the cap
+        (1, 8, 1024, 132, 8),  # splits of at least 128 tokens
+        (4, 8, 200, 132, 1),  # too short to split
         (3, 8, 32768, 132, 8),  # ceil(264 / 24) = 11 rounds down to a power of two
     ],
 )
