@@ -109,18 +109,23 @@ STOP_POLL_S = 0.05
 class Stack:
     """The children of one ``pagoda serve``, in start order."""
 
-    def __init__(self, config: PagodaConfig) -> None:
+    def __init__(self, config: PagodaConfig,
+                 worker_command: tuple[str, list[str]] | None = None) -> None:
+        """``worker_command``: (module, extra args) run in place of the worker (benchmarks:
+        ``pagoda.bench.synthetic_worker``)."""
         self.config = config
         self.children: list[Child] = []
+        self.worker_command = worker_command or ("services.worker.main", [])
 
     def start(self) -> None:
         env = config_env(self.config)
         ranks = self.config.engine.tensor_parallel_size
         # a tensor-parallel group shares the machine's cores between its ranks
         threads = [] if ranks == 1 else ["--threads", str(max(1, usable_cpus() // ranks))]
+        module, extra = self.worker_command
         for rank in range(ranks):
-            self.children.append(start_child(f"worker-{rank}", "services.worker.main",
-                                             ["--rank", str(rank), *threads], env))
+            self.children.append(start_child(f"worker-{rank}", module,
+                                             ["--rank", str(rank), *threads, *extra], env))
         # below the worker: their wake-ups must not stall its lockstep threads
         nice = self.config.process.service_nice
         self.children.append(start_child("scheduler", "services.scheduler.main", [], env, nice))

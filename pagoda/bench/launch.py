@@ -34,9 +34,12 @@ def free_port() -> int:
 
 @contextmanager
 def launched_stack(model_dir: str, num_frontends: int = 1,
-                   engine: dict[str, Any] | None = None) -> Iterator[StackAddresses]:
+                   engine: dict[str, Any] | None = None,
+                   worker_command: tuple[str, list[str]] | None = None,
+                   ) -> Iterator[StackAddresses]:
     """Starts the stack, yields where to reach it, stops it. ``engine``: more settings
-    (``max_num_seqs``, ``kv_cache_bytes``, ...), as ``pagoda serve`` flags name them."""
+    (``max_num_seqs``, ``kv_cache_bytes``, ...), as ``pagoda serve`` flags name them;
+    ``worker_command``: a stand-in worker (``pagoda.launcher.Stack``)."""
     port = free_port()
     with private_run_dir() as run_dir:
         settings = {"model": model_dir, "num_frontends": num_frontends, "http_host": "127.0.0.1",
@@ -44,7 +47,7 @@ def launched_stack(model_dir: str, num_frontends: int = 1,
         # env={}: the run is defined by its flags, not by PAGODA_* variables of the shell
         config = load_config(settings, env={},
                              default_endpoints=Endpoints.local(run_dir, num_frontends))
-        stack = Stack(config)
+        stack = Stack(config, worker_command)
         try:
             stack.start()
             base = f"http://127.0.0.1:{port}"
