@@ -1,7 +1,11 @@
-"""Torch implementations of every paged-KV kernel: the CPU attention path and the oracle.
+"""Torch implementations of every paged-KV kernel and of the decoder layer's small fused
+ops: the torch paths of the worker and the oracle of the kernels.
 
-The worker's torch attention backend runs these on the CPU; the Triton kernels in this
-package are tested against them. Cache layout everywhere (per layer):
+The worker's torch attention backend runs the attention functions on the CPU, and the
+layers (``services/worker/layers/norm.py``, ``rotary.py``, the MLP of ``models/
+llama.py``) run ``rms_norm``, ``rotary`` and ``act_mul`` wherever no fused kernel
+applies; the Triton kernels in this package (``fused_*.py`` for the small ops) are
+tested against them. Cache layout everywhere (per layer):
 
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
 
@@ -223,3 +227,57 @@ def paged_attention(
         v = gather_kv(v_cache, block_tables[i], seq_len)
         out[starts[i] : starts[i + 1]] = prefill_attention(q, k, v, scale, window, softcap)
     return out
+
+
+def rms_norm(
+    x: torch.Tensor,  # [..., H]
+    residual: torch.Tensor | None,  # like x, or None
+    weight: torch.Tensor,  # [H]; with unit_offset, Gemma's 1 + w in fp32
+    eps: float,
+    unit_offset: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:  # norm(x + residual), x + residual
+    """RMSNorm as HF computes it: the sum rounded to x's dtype, the norm in fp32, rounded
+    to x's dtype, then times the weight (one more rounding, in the promoted dtype); with
+    unit_offset the fp32 scale applies before the one rounding. residual None: x alone
+    (returned as the new residual)."""
+    if residual is not None:
+        x = x + residual
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if unit_offset:
+        return (xf * weight).to(x.dtype), x
+    return weight * xf.to(x.dtype), x
+
+
+def rotary(
+    query: torch.Tensor,  # [T, num_heads, head_dim]
+    key: torch.Tensor,  # [T, num_kv_heads, head_dim]
+    index: torch.Tensor,  # [T] int: the table row of each token (its position, as a rule)
+    cos_table: torch.Tensor,  # [rows, rotary_dim / 2], fp32
+    sin_table: torch.Tensor,  # [rows, rotary_dim / 2], fp32
+) -> tuple[torch.Tensor, torch.Tensor]:  # new contiguous tensors, shaped as the inputs
+    """Rotate-half rotary embedding (HF Llama) of the first rotary_dim dims of each head
+    (the rest pass through), in fp32, rounded once to the input dtype."""
+    cos = cos_table.index_select(0, index)[:, None, :]  # [T, 1, R/2]
+    sin = sin_table.index_select(0, index)[:, None, :]
+    r = 2 * cos_table.shape[-1]
+    if r < query.shape[-1]:
+        return (torch.cat((_rotate(query[..., :r], cos, sin), query[..., r:]), dim=-1),
+                torch.cat((_rotate(key[..., :r], cos, sin), key[..., r:]), dim=-1))
+    return _rotate(query, cos, sin), _rotate(key, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.to(x.dtype)
+
+
+def act_mul(gate_up: torch.Tensor, gelu: bool = False) -> torch.Tensor:  # [T, 2I] -> [T, I]
+    """The gated MLP activation: ``silu(gate) * up`` (SwiGLU), or with ``gelu`` the tanh
+    GELU (GeGLU, Gemma), gate and up the two halves of each row."""
+    gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
+    if gelu:
+        return F.gelu(gate, approximate="tanh") * up
+    return F.silu(gate) * up

@@ -8,6 +8,10 @@ Adapted idea: vLLM ``vllm/triton_utils/importing.py`` (TritonPlaceholder).
 
 Interpreter mode (``TRITON_INTERPRET=1``) is read by Triton when a kernel is
 *decorated*, i.e. when its module is imported; set it before importing a kernel module.
+Its fp32 -> bf16 cast truncates where the compiled one rounds to nearest even:
+``round_to`` (for kernels whose tests check torch's rounding bit for bit) rounds by
+hand there: launchers pass ``RNE_BY_HAND=interpret_mode()`` as read when their module
+was imported (the fused_*.py kernels).
 """
 
 from __future__ import annotations
@@ -49,7 +53,9 @@ except ImportError:  # pragma: no cover - exercised on machines without Triton
     triton = _Placeholder("triton")  # type: ignore[assignment]
     tl = _Placeholder("triton.language")  # type: ignore[assignment]
 
-__all__ = ["HAS_TRITON", "check_launchable", "interpret_mode", "next_pow2", "tl", "triton"]
+__all__ = [
+    "HAS_TRITON", "check_launchable", "interpret_mode", "next_pow2", "round_to", "tl", "triton",
+]
 
 
 def interpret_mode() -> bool:
@@ -73,3 +79,21 @@ def check_launchable(*tensors: torch.Tensor) -> None:
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
+
+
+@triton.jit
+def round_to(x, dtype: tl.constexpr, RNE_BY_HAND: tl.constexpr):
+    """fp32 ``x`` rounded to nearest even in ``dtype``, as torch's ``.to(dtype)``.
+
+    Compiled, that is the plain cast. RNE_BY_HAND (the interpreter, whose bf16 cast
+    truncates): bf16 by integer ops on the fp32 bits (add 0x7FFF plus the lowest kept
+    bit, drop the low 16 bits; inf stays inf, NaN is truncated, so stays NaN)."""
+    y = x.to(dtype)
+    # nested, not `and`: the compiled kernel never evaluates the inner test
+    if RNE_BY_HAND:  # noqa: SIM102 (never compiled: the interpreter reads this branch only)
+        if dtype == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = bits + 0x7FFF + ((bits >> 16) & 1)
+            rounded = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+            y = tl.where(x != x, y, rounded)  # noqa: PLR0124 (x != x: NaN)
+    return y

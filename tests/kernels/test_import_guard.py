@@ -18,7 +18,8 @@ _WITHOUT_TRITON = """
 import sys
 sys.modules["triton"] = None  # any `import triton` now raises ImportError
 import torch
-from kernels import bench, cache_write, paged_decode, prefill
+from kernels import (bench, cache_write, fused_activation, fused_norm, fused_rotary,
+                     paged_decode, prefill)
 from kernels.triton_utils import HAS_TRITON
 assert not HAS_TRITON
 assert paged_decode.choose_num_splits(1, 8, 32768, 132) == 32  # pure Python still works
@@ -30,6 +31,15 @@ except RuntimeError as e:
     assert "Triton is not installed" in str(e), e
 else:
     raise AssertionError("launch without triton did not raise")
+try:
+    fused_activation.act_mul(torch.zeros(1, 4))
+except RuntimeError as e:
+    assert "Triton is not installed" in str(e), e
+else:
+    raise AssertionError("fused launch without triton did not raise")
+from services.worker.layers.norm import RMSNorm
+out, _ = RMSNorm(16, 1e-6)(torch.ones(2, 16))  # the layers still run (C++ or torch ops)
+assert torch.allclose(out, torch.ones(2, 16))
 from services.worker.attention.triton_backend import TritonAttentionBackend
 try:
     TritonAttentionBackend()

@@ -14,8 +14,11 @@ each sequence's own (its length after the step): a sequence gets exactly what HF
 it alone, with its prompt prefilled in the same chunks. Tokens already in the KV cache
 keep the rotation they were written with, as in HF. ``plan`` works this out once per
 step (None, and no cost, when no sequence is past the threshold).
-On the CPU in fp32 / bf16 the rotation runs as one C++ kernel (``kernels.cpu_fused``,
-same rounding) where that extension builds; ``fused=False`` keeps the torch ops.
+On CUDA the rotation runs as one Triton kernel (``kernels.fused_rotary``, in place,
+partial rotary and every rope type: it reads the rows of the tables the torch path
+would), on the CPU in fp32 / bf16 as one C++ kernel (``kernels.cpu_fused``, whole heads
+only) where that extension builds, both with the torch path's rounding; elsewhere, and
+with ``fused=False``, the torch ops (``kernels.reference.rotary``). See ``fused_path.py``.
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from kernels import cpu_fused
+from kernels import cpu_fused, reference
 from services.worker.attention.base import AttentionMetadata
+from services.worker.layers.fused_path import use_triton
 from services.worker.model_config import SCALED_ROPE_TYPES
 
 
@@ -105,6 +109,9 @@ class RopePlan:
 
 
 class RotaryEmbedding(nn.Module):
+    cos_cache: torch.Tensor  # buffers (registered in __init__)
+    sin_cache: torch.Tensor
+
     def __init__(
         self, head_dim: int, max_position: int, base: float, scaling: dict[str, Any] | None,
         fused: bool = True, hf_config: dict[str, Any] | None = None,
@@ -115,7 +122,7 @@ class RotaryEmbedding(nn.Module):
         self.hf_config = hf_config
         # partial rotary (Phi-4-mini): only the first rotary_dim dims of a head rotate
         self.rotary_dim = rotary_dim or head_dim
-        self.fused = fused and self.rotary_dim == head_dim  # the C++ kernel rotates whole heads
+        self.fused = fused
         half = self.rotary_dim // 2
         self.rope_type = rope_type_of(scaling)
         self._hf: HfRope | None = None  # transformers' rope functions (scaled types)
@@ -189,27 +196,26 @@ class RotaryEmbedding(nn.Module):
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         plan: RopePlan | None = None,  # this step's length-dependent tables (``plan``)
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # new contiguous tensors, shaped as the inputs
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # shaped as the inputs
+        """The rotated query and key: on the Triton path query and key themselves, rotated
+        in place (the q / k views of the qkv projection); elsewhere new contiguous tensors."""
         index, cos_table, sin_table = positions, self.cos_cache, self.sin_cache
         if plan is not None and plan.owner is self:
             index, cos_table, sin_table = plan.index, plan.cos, plan.sin
         if (
-            self.fused and query.is_cpu and query.dtype in cpu_fused.DTYPES
+            use_triton(self.fused, query.device, query.dtype) and key.dtype == query.dtype
+            and query.stride(-1) == 1 and key.stride(-1) == 1
+            and cos_table.is_floating_point()
+        ):
+            from kernels import fused_rotary  # at first use: see fused_path.py
+
+            fused_rotary.rotary_inplace(query, key, index, cos_table, sin_table)
+            return query, key
+        if (  # the C++ kernel rotates whole heads
+            self.fused and self.rotary_dim == self.head_dim
+            and query.is_cpu and query.dtype in cpu_fused.DTYPES
             and key.dtype == query.dtype and cos_table.dtype == torch.float32
             and cpu_fused.available()
         ):  # reads the q / k slices of the qkv projection in place
             return cpu_fused.rotary(query, key, index, cos_table, sin_table)
-        cos = cos_table.index_select(0, index)[:, None, :]  # [T, 1, R/2]
-        sin = sin_table.index_select(0, index)[:, None, :]
-        if self.rotary_dim < self.head_dim:
-            r = self.rotary_dim
-            return (torch.cat((_rotate(query[..., :r], cos, sin), query[..., r:]), dim=-1),
-                    torch.cat((_rotate(key[..., :r], cos, sin), key[..., r:]), dim=-1))
-        return _rotate(query, cos, sin), _rotate(key, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.to(x.dtype)
+        return reference.rotary(query, key, index, cos_table, sin_table)

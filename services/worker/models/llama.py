@@ -28,6 +28,7 @@ from torch import nn
 from kernels import cpu_fused
 from services.worker.attention.base import AttentionBackend, AttentionMetadata
 from services.worker.layers.embedding import VocabEmbedding
+from services.worker.layers.fused_path import use_triton
 from services.worker.layers.linear import linear
 from services.worker.layers.norm import RMSNorm
 from services.worker.layers.rotary import RopePlan, RotaryEmbedding
@@ -106,7 +107,7 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig, fused: bool = True, shard: ShardSizes | None = None,
                  tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.fused = fused  # kernels.cpu_fused.silu_mul where it applies
+        self.fused = fused  # Triton on CUDA, kernels.cpu_fused.silu_mul where it applies
         self.gelu = config.hidden_act == "gelu_pytorch_tanh"  # GeGLU (Gemma), else SwiGLU
         self.gate_up_weight_packed: torch.Tensor | None = None
         self.down_weight_packed: torch.Tensor | None = None
@@ -119,7 +120,11 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = linear(x, self.gate_up_weight, self.gate_up_bias, self.gate_up_weight_packed)
-        if self.gelu:
+        if use_triton(self.fused, gate_up.device, gate_up.dtype):
+            from kernels import fused_activation  # at first use: see layers/fused_path.py
+
+            act = fused_activation.act_mul(gate_up, gelu=self.gelu)  # one launch
+        elif self.gelu:
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
             act = F.gelu(gate, approximate="tanh") * up
         elif (
