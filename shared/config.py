@@ -490,8 +490,23 @@ def add_arguments(parser: argparse.ArgumentParser, groups: tuple[str, ...] | Non
                 arg_group.add_argument(s.flag, dest=s.key, default=None,
                                        action=argparse.BooleanOptionalAction, help=help_text)
             else:
-                arg_group.add_argument(s.flag, dest=s.key, default=None, type=s.parse,
-                                       help=help_text)
+                arg_group.add_argument(s.flag, dest=s.key, default=None,
+                                       type=_flag_type(s.parse), help=help_text)
+
+
+def _flag_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """``parse`` for argparse, which shows an ArgumentTypeError's message (a ValueError
+    becomes "invalid parse_optional value"); int, float and str keep argparse's wording."""
+    if parse in (int, float, str):
+        return parse
+
+    def parse_flag(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return parse_flag
 
 
 def resolve(

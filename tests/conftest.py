@@ -1,4 +1,5 @@
-"""Session fixtures: tiny random checkpoints and the default model (fetched once)."""
+"""Session fixtures: tiny random checkpoints and the default model (fetched once); tests
+marked ``gpu`` skip where there is no CUDA device."""
 
 from __future__ import annotations
 
@@ -7,6 +8,18 @@ from pathlib import Path
 import pytest
 
 from support.checkpoints import make_checkpoint
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``gpu`` need a CUDA device: without one they are skipped, not failed."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

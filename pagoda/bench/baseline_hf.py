@@ -9,9 +9,10 @@ Two ways, as a user without a serving engine would run them:
   only the tokens each request asked for count as useful output.
 
 Each way runs in every dtype asked for (by default fp32 and the dtype pagoda computes
-in: on a CPU with native bf16, HF's bf16 runs about twice as fast as its fp32). The
-figure to beat is the best of all of these (highest useful output tokens/s); the bs1
-figure to beat is the lowest TPOT of the one-at-a-time runs.
+in: on a CPU with native bf16, HF's bf16 runs about twice as fast as its fp32), on the
+engine's device (``cuda`` when pagoda runs there: a GPU engine against a CPU baseline
+would say nothing). The figure to beat is the best of all of these (highest useful output
+tokens/s); the bs1 figure to beat is the lowest TPOT of the one-at-a-time runs.
 """
 
 from __future__ import annotations
@@ -25,11 +26,20 @@ from pagoda.bench.stats import RequestRecord, record_lists, summarize
 from pagoda.bench.workload import Workload
 
 
-def load_hf(model_dir: str, dtype: str = "float32") -> Any:
+def load_hf(model_dir: str, dtype: str = "float32", device: str = "cpu") -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+    return hf.to(device).eval()
+
+
+def _sync(hf: Any) -> None:
+    """Waits for the model's device (a CUDA clock read must follow the work it times)."""
+    import torch
+
+    if hf.device.type == "cuda":
+        torch.cuda.synchronize(hf.device)
 
 
 def _pad_id(hf: Any) -> int:
@@ -48,17 +58,20 @@ def hf_static(hf: Any, work: Workload, batch_size: int, progress: bool = False) 
         prompts = work.prompts[start : start + batch_size]
         new = max(work.output_lens[start : start + batch_size])
         width = max(len(p) for p in prompts)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=hf.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts],
+                            device=hf.device)
         with torch.inference_mode():
             hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
                         do_sample=False, pad_token_id=pad)
+    _sync(hf)
     return work.num_output_tokens / (time.perf_counter() - t0)
 
 
-def bench_hf_static(model_dir: str, work: Workload, batch_size: int, dtype: str = "float32") -> float:
+def bench_hf_static(model_dir: str, work: Workload, batch_size: int, dtype: str = "float32",
+                    device: str = "cpu") -> float:
     """``hf_static`` with its own model load (the older scripts' entry point)."""
-    return hf_static(load_hf(model_dir, dtype), work, batch_size)
+    return hf_static(load_hf(model_dir, dtype, device), work, batch_size)
 
 
 class _StampStreamer:
@@ -72,6 +85,10 @@ class _StampStreamer:
         if not self._prompt_seen:  # generate() first puts the prompt itself
             self._prompt_seen = True
             return
+        if value.is_cuda:  # the token exists once its kernels are done
+            import torch
+
+            torch.cuda.synchronize(value.device)
         self.rec.add(self.clock(), int(value.numel()))
 
     def end(self) -> None:
@@ -94,23 +111,26 @@ def hf_one_at_a_time(hf: Any, work: Workload, progress: bool = False) -> list[Re
         rec.start = clock()
         n = work.output_lens[i]
         with torch.inference_mode():
-            hf.generate(input_ids=torch.tensor([work.prompts[i]]), max_new_tokens=n,
+            hf.generate(input_ids=torch.tensor([work.prompts[i]], device=hf.device), max_new_tokens=n,
                         min_new_tokens=n, do_sample=False, pad_token_id=pad,
                         streamer=_StampStreamer(rec, clock))
     return records
 
 
 def run_hf_baseline(model_dir: str, work: Workload, batch_sizes: list[int],
-                    progress: bool = True, dtypes: tuple[str, ...] = ("float32",)) -> dict[str, Any]:
-    """Every requested way (1 = one at a time) in every dtype; the best by output tokens/s."""
+                    progress: bool = True, dtypes: tuple[str, ...] = ("float32",),
+                    device: str = "cpu") -> dict[str, Any]:
+    """Every requested way (1 = one at a time) in every dtype, on ``device`` (the engine's);
+    the best by output tokens/s."""
     import torch
 
-    result: dict[str, Any] = {"dtypes": list(dtypes), "static_batch_output_tok_s": {}}
+    result: dict[str, Any] = {"dtypes": list(dtypes), "device": device,
+                              "static_batch_output_tok_s": {}}
     for dtype in dtypes:
-        hf = load_hf(model_dir, dtype)
+        hf = load_hf(model_dir, dtype, device)
         with torch.inference_mode():  # warm-up: first-call costs stay out of the figures
-            hf.generate(input_ids=torch.tensor([work.prompts[0]]), max_new_tokens=2, do_sample=False,
-                        pad_token_id=_pad_id(hf))
+            hf.generate(input_ids=torch.tensor([work.prompts[0]], device=hf.device),
+                        max_new_tokens=2, do_sample=False, pad_token_id=_pad_id(hf))
         by_bs: dict[str, float] = {}
         for bs in batch_sizes:
             if bs == 1:
@@ -126,6 +146,8 @@ def run_hf_baseline(model_dir: str, work: Workload, batch_sizes: list[int],
                 by_bs[str(bs)] = hf_static(hf, work, bs, progress)
         result["static_batch_output_tok_s"][dtype] = by_bs
         del hf
+        if torch.device(device).type == "cuda":
+            torch.cuda.empty_cache()  # the next dtype's copy needs the room
     best = max(((dt, bs, v) for dt, by_bs in result["static_batch_output_tok_s"].items()
                 for bs, v in by_bs.items()), key=lambda x: x[2])
     result["best_dtype"], result["best_batch_size"], result["best_output_tok_s"] = best[0], int(best[1]), best[2]

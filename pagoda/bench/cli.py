@@ -184,7 +184,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if "vllm" in baselines or args.roofline:  # batch-1 latencies, as vLLM's are measured
             bs1 = measure_bs1(llm, bs1_probe(work), BS1_OUTPUT)
         max_model_len = llm.engine.max_model_len
+        llm.close()
         del llm  # free its KV cache before the baseline loads another copy of the model
+        _release_memory()
         if args.online:  # the same requests through pagoda serve, after the offline run
             online = _run_online(args, "http", str(model_dir), work, progress, launch=True)
     else:
@@ -204,7 +206,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         from pagoda.bench.baseline_hf import run_hf_baseline
 
         hf = run_hf_baseline(str(model_dir), work, [int(x) for x in args.hf_batch_sizes.split(",")],
-                             progress, _hf_dtypes(args, dtype))
+                             progress, _hf_dtypes(args, dtype), device=engine_device(args))
     config = {
         "model": _settings(args).model, "model_dir": str(model_dir), "mode": mode,
         "launch": bool(args.launch), "num_requests": len(work),
@@ -212,7 +214,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "output_len": str(args.output_len), "dataset": args.dataset, "seed": args.seed,
         "request_rate": args.request_rate if args.request_rate != float("inf") else None,
         "max_concurrency": args.max_concurrency, "engine": _engine_settings(args),
-        "engine_dtype": dtype,
+        "engine_dtype": dtype, "engine_device": engine_device(args),
     }
     report = build_report(config, records, scheduler, hf, vllm=vllm, bs1=bs1, cpu=cpu)
     if online is not None:
@@ -229,6 +231,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         roof["bs1_tpot_vs_weights_read"] = bs1["tpot_s"] / roof["weights_read_s"] if bs1 else None
         report["roofline"] = roof
     return report
+
+
+def _release_memory() -> None:
+    """Hands a dropped engine's memory back (its CUDA blocks too, for the next model)."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _run_online(args: argparse.Namespace, mode: str, model_dir: str, work: Workload,

@@ -141,15 +141,14 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{args.requests} requests, prompts {pr}, outputs {orange}, {sum(work.output_lens)} output tokens")
     ours = bench_llm(model_dir, work)
     print(f"pagoda LLM (dtype auto): {ours:.1f} output tok/s", flush=True)
-    import torch
+    from services.worker.runner_builder import resolve_device, resolve_dtype_name
 
-    from services.worker.runner_builder import resolve_dtype_name
-
-    engine_dtype = resolve_dtype_name("auto", torch.device("cpu"))
+    device = resolve_device("auto")  # the LLM's (device auto): HF runs beside it there
+    engine_dtype = resolve_dtype_name("auto", device)
     best = 0.0
     for dtype in dict.fromkeys(("float32", engine_dtype)):
         for bs in (int(x) for x in args.hf_batch_sizes.split(",")):
-            hf = bench_hf_static(model_dir, work, bs, dtype)
+            hf = bench_hf_static(model_dir, work, bs, dtype, str(device))
             best = max(best, hf)
             print(f"HF generate ({dtype}), static batch {bs}: {hf:.1f} output tok/s", flush=True)
     print(f"pagoda / HF best static batching: {ours / best:.2f}x (target >= 3x)")

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from pagoda.bench.random_model import make_random_model
 from pagoda.bench.runner_offline import greedy_exact, run_offline
 from pagoda.bench.stats import summarize
 from pagoda.bench.workload import Workload
@@ -40,16 +41,8 @@ SMOLLM2_SHAPE = {  # SmolLM2-135M's, with heads that split over 2 (and 4) ranks
 
 
 def shaped_model(cache: Path) -> Path:
-    """The random SmolLM2-shaped checkpoint, made once (transformers, from a config)."""
-    path = cache / "bench" / "smollm2-shaped-8h"
-    if (path / "config.json").is_file():
-        return path
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**SMOLLM2_SHAPE)).to(torch.bfloat16)
-    model.save_pretrained(path, safe_serialization=True)
-    return path
+    """The random SmolLM2-shaped checkpoint, made once (``random_model``)."""
+    return make_random_model(cache / "bench" / "smollm2-shaped-8h", SMOLLM2_SHAPE)
 
 
 def workload(n: int, prompt_range: tuple[int, int], output_range: tuple[int, int],
