@@ -297,10 +297,18 @@ class Scheduler:
         self._dropped_seq_ids = []
         if order:
             self._published[batch.step_id] = [scheduled[seq_id][0] for seq_id, _ in order]
+            bm, block_size = self.block_manager, self.config.block_size
             for seq_id, n in order:
                 req = scheduled[seq_id][0]
                 req.num_tokens_ahead += n
                 req.num_samples_ahead += seq_id in sampling
+                # blocks this step fills go into the prefix cache now, as vLLM caches at
+                # allocation: a later step that hits them runs after this one has written
+                # them, and with async scheduling the next schedule() comes before this
+                # step's update (a token still in flight is hashed by that update)
+                if n > 1 or req.num_computed_ahead % block_size == 0:
+                    bm.cache_full_blocks(seq_id, req.token_ids,
+                                         min(req.num_computed_ahead, req.num_tokens))
         if not self.running and not self.waiting:
             self.check_invariants_on_idle()
         return batch

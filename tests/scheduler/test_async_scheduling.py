@@ -224,3 +224,16 @@ def test_the_pool_ceiling_waits_for_the_token_in_flight() -> None:
     want = run_sync(cfg, request)
     assert len(want[("r", 0)]["tokens"]) == 5 and want[("r", 0)]["finish"] == "length"
     assert run_ahead(cfg, request)[0] == want
+
+
+def test_a_prompt_admitted_ahead_hits_the_blocks_the_step_out_computes() -> None:
+    s, w = make(num_blocks=32)
+    p = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    s.add_request("a", list(range(5, 21)), p)  # 16 tokens: 4 full blocks of 4
+    first = s.schedule()
+    w.execute(first)
+    s.add_request("b", list(range(5, 21)), p)  # arrives while step 1 is out
+    ahead = s.schedule()  # before step 1's update
+    (new_b,) = ahead.new_requests
+    assert new_b.num_computed_tokens == 12  # 3 blocks hit; the last token is recomputed
+    assert s.stats().prefix_cache_hits == 12
