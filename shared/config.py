@@ -122,6 +122,14 @@ class EngineSettings:
     tensor_parallel_size: int = 1  # worker ranks a model is split over (services/worker/parallel.py)
     max_queued_requests: int = 1024  # waiting requests before the scheduler answers overloaded
     attention_backend: str = "auto"  # one of ATTENTION_BACKENDS; auto: the selector's choice
+    # CUDA graphs for decode steps (services/worker/cuda_graphs.py), only ever on CUDA:
+    # enforce_eager turns them off; batches up to cuda_graph_max_batch_size sequences
+    # are captured (None: min(max_num_seqs, 256))
+    enforce_eager: bool = False
+    cuda_graph_max_batch_size: int | None = None
+    # CUDA: the share of the GPU's memory the worker may use; the KV pool (unless sized
+    # by kv_cache_bytes / num_kv_blocks) gets what weights, activations and graphs leave
+    gpu_memory_utilization: float = 0.9
     # structured output (scheduler): a grammar not compiled this long after it was asked
     # for fails its requests; this many distinct compiled grammars are kept (LRU)
     grammar_compile_timeout_s: float = 30.0
@@ -132,13 +140,17 @@ class EngineSettings:
                      "tensor_parallel_size", "max_queued_requests", "grammar_cache_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
-        for name in ("kv_cache_bytes", "num_kv_blocks", "max_model_len"):
+        for name in ("kv_cache_bytes", "num_kv_blocks", "max_model_len",
+                     "cuda_graph_max_batch_size"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {value}")
         if not self.grammar_compile_timeout_s > 0:
             raise ConfigError(f"grammar_compile_timeout_s: must be > 0, got "
                               f"{self.grammar_compile_timeout_s}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"gpu_memory_utilization: must be in (0, 1], got "
+                              f"{self.gpu_memory_utilization}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype: must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
@@ -389,6 +401,13 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("attention_backend", "engine", _choice(*ATTENTION_BACKENDS), _ENGINE.attention_backend,
             "worker attention backend; auto: triton on CUDA, else the cpu kernel if it builds, "
             "else torch"),
+    Setting("enforce_eager", "engine", _parse_bool, _ENGINE.enforce_eager,
+            "never capture CUDA graphs (decode steps run eagerly; CPUs always do)"),
+    Setting("cuda_graph_max_batch_size", "engine", _optional(int), None,
+            "largest decode batch captured in a CUDA graph (default: min(max_num_seqs, 256))"),
+    Setting("gpu_memory_utilization", "engine", float, _ENGINE.gpu_memory_utilization,
+            "CUDA: share (0-1] of the GPU's memory the worker uses; the KV pool gets what "
+            "the weights, a profiled step's activations and the graphs leave"),
     Setting("grammar_compile_timeout_s", "engine", float, _ENGINE.grammar_compile_timeout_s,
             "structured output: seconds a grammar may take to compile before its requests fail"),
     Setting("grammar_cache_size", "engine", int, _ENGINE.grammar_cache_size,

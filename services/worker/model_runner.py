@@ -6,11 +6,16 @@ so a step carries only deltas (see ``shared.protocol``). Each step it:
 2. flattens the scheduled tokens into one varlen batch in the scheduler's order
    (one-token sequences first, then multi-token chunks: the order the attention
    backends want), so neither the batch nor the results are re-sorted;
-3. runs the model, computes logits only for requests that reached the end of their
-   known tokens (a request mid chunked-prefill samples nothing), samples, and
-   appends the sampled tokens to its own state (the rows of sequences under a grammar
-   are masked first: ``grammar_bitmask.py``); requests asking ``prompt_logprobs``
-   also get logits for this chunk's prompt rows (``prompt_logprobs.py``).
+3. runs the model (a decode-only step that fits, through ``cuda_graphs.py``: a CUDA
+   graph replayed over padded persistent buffers where captured), computes logits only
+   for requests that reached the end of their known tokens (a request mid chunked-
+   prefill samples nothing), samples, and appends the sampled tokens to its own state
+   (the rows of sequences under a grammar are masked first: ``grammar_bitmask.py``);
+   requests asking ``prompt_logprobs`` also get logits for this chunk's prompt rows
+   (``prompt_logprobs.py``).
+
+Step inputs are built with numpy; on CUDA they go to the device through pinned host
+memory, asynchronously (on the CPU the numpy arrays are used as they are).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import numpy as np
 import torch
 
 from services.worker.attention.base import AttentionBackend, AttentionMetadata
+from services.worker.cuda_graphs import DecodeGraphs, needs_rope_plan
 from services.worker.grammar_bitmask import GrammarBitmask
 from services.worker.models.llama import KVCache, LlamaForCausalLM
 from services.worker.prompt_logprobs import compute_prompt_logprobs, plan_prompt_logprobs
@@ -96,12 +102,18 @@ def allocate_kv_caches(
 
 @dataclass
 class _FlatBatch:
-    input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    meta: AttentionMetadata
+    """One step's batch on the host; T tokens of B sequences."""
+
     order: list[CachedRequestState]  # batch order: decodes, then prefills
+    num_decodes: int  # the first num_decodes sequences have one new token each
+    query_start_loc: list[int]  # [B + 1]
+    seq_lens: np.ndarray  # [B] int64: tokens in the cache after this step
+    input_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    block_tables: np.ndarray  # [B, max_blocks] int64, padded with 0
+    slot_mapping: np.ndarray  # [T] int64
     sample_rows: list[int]  # indexes into order of the requests that sample
-    logit_indices: torch.Tensor  # [num_sample] flat index of each sampler's last token
+    logit_indices: np.ndarray  # [num_sample] flat index of each sampler's last token
 
 
 class ModelRunner:
@@ -125,6 +137,21 @@ class ModelRunner:
         self.requests: dict[int, CachedRequestState] = {}
         # requests asking prompt_logprobs whose prompt is not computed yet (empty: no cost)
         self._prompt_logprobs_ids: set[int] = set()
+        self.graphs: DecodeGraphs | None = None  # enable_decode_graphs
+
+    def enable_decode_graphs(self, max_batch_size: int, max_model_len: int,
+                             capture: bool) -> DecodeGraphs:
+        """Send decode-only steps of up to ``max_batch_size`` sequences through the padded
+        graph path (``cuda_graphs.py``); ``capture``: record its CUDA graphs now (CUDA
+        only), else the path runs eagerly (the CPU and tests)."""
+        if self.tp.size > 1:
+            raise ValueError("decode graphs run on a single rank (tensor parallel: not yet)")
+        graphs = DecodeGraphs(self.model, self.backend, self.kv_caches, max_batch_size,
+                              max_model_len, self.block_size, self.device)
+        if capture:
+            graphs.capture()
+        self.graphs = graphs
+        return graphs
 
     # -- state table ---------------------------------------------------------------
     def _apply_deltas(self, batch: StepBatch) -> None:
@@ -163,13 +190,18 @@ class ModelRunner:
         if not batch.scheduled_request_ids:
             return StepResult(step_id=batch.step_id), {}
         flat = self._flatten(batch)
-        hidden = self.model(flat.input_ids, flat.positions, self.kv_caches, flat.meta, self.backend)
+        if self.graphs is not None and self._graph_step(flat):
+            hidden = self.graphs.run(flat.input_ids, flat.positions, flat.slot_mapping,
+                                     flat.seq_lens, flat.block_tables)  # padded rows follow
+        else:
+            hidden = self._forward(flat)
         prompt_logprobs = self._prompt_logprobs(flat, hidden) if self._prompt_logprobs_ids else []
-        for state, n in zip(flat.order, np.diff(flat.meta.query_start_loc_host).tolist()):
+        for state, n in zip(flat.order, np.diff(flat.query_start_loc).tolist()):
             state.num_computed_tokens += n
         if not flat.sample_rows:
             return StepResult(step_id=batch.step_id, prompt_logprobs=prompt_logprobs), {}
-        logits = self.model.compute_logits(hidden.index_select(0, flat.logit_indices))
+        logits = self.model.compute_logits(
+            hidden.index_select(0, self._upload(flat.logit_indices)))
         samplers = [flat.order[i] for i in flat.sample_rows]
         grammar = (self._grammar_bitmask(batch, samplers)
                    if batch.grammar_seq_ids and self.tp.is_first else None)
@@ -195,7 +227,7 @@ class ModelRunner:
     def _prompt_logprobs(self, flat: _FlatBatch, hidden: torch.Tensor) -> list[PromptLogprobs]:
         """Logprobs of the prompt tokens this step's chunks score, for the sequences that
         asked (run before their computed counts advance)."""
-        qsl = flat.meta.query_start_loc_host
+        qsl = flat.query_start_loc
         seqs, chunk_starts, chunk_lens = [], [], []
         for i, state in enumerate(flat.order):
             if state.request_id not in self._prompt_logprobs_ids:
@@ -242,9 +274,9 @@ class ModelRunner:
                     raise StepError(f"request {rid!r}: a one-token sequence after a multi-token one")
                 num_decodes += 1
             order.append(state)
-        return self._build_tensors(order, batch.num_scheduled_tokens, num_decodes)
+        return self._build_batch(order, batch.num_scheduled_tokens, num_decodes)
 
-    def _build_tensors(
+    def _build_batch(
         self, order: list[CachedRequestState], counts: list[int], num_decodes: int
     ) -> _FlatBatch:
         bs = self.block_size
@@ -266,24 +298,54 @@ class ModelRunner:
             input_ids[qsl[i] : qsl[i + 1]] = state.token_ids[starts[i] : ends[i]]
         slot_mapping = block_tables[seq_of_token, positions // bs] * bs + positions % bs
         sample_rows = [i for i, s in enumerate(order) if ends[i] == len(s.token_ids)]
-        dev = self.device
-        meta = AttentionMetadata(
-            num_tokens=total,
+        return _FlatBatch(
+            order=order,
             num_decodes=num_decodes,
-            query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
-            seq_lens=torch.from_numpy(ends.astype(np.int32)).to(dev),
-            block_tables=torch.from_numpy(block_tables.astype(np.int32)).to(dev),
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
-            max_query_len=int(counts_np.max()),
+            query_start_loc=qsl.tolist(),
+            seq_lens=ends,
+            input_ids=input_ids,
+            positions=positions,
+            block_tables=block_tables,
+            slot_mapping=slot_mapping,
+            sample_rows=sample_rows,
+            logit_indices=qsl[1:][sample_rows] - 1,
+        )
+
+    def _graph_step(self, flat: _FlatBatch) -> bool:
+        """Whether this step runs on the decode graphs (see ``cuda_graphs.py``)."""
+        assert self.graphs is not None
+        pending = self._prompt_logprobs_ids
+        return (
+            flat.num_decodes == len(flat.order)
+            and self.graphs.fits(len(flat.order), flat.block_tables.shape[1])
+            and not (pending and any(s.request_id in pending for s in flat.order))
+            and not needs_rope_plan(self.model, int(flat.seq_lens.max()))
+        )
+
+    def _forward(self, flat: _FlatBatch) -> torch.Tensor:  # [T, hidden]
+        """The eager forward over the step's own varlen tensors."""
+        up = self._upload
+        qsl = np.array(flat.query_start_loc, dtype=np.int32)
+        ends = flat.seq_lens
+        meta = AttentionMetadata(
+            num_tokens=flat.query_start_loc[-1],
+            num_decodes=flat.num_decodes,
+            query_start_loc=up(qsl),
+            seq_lens=up(ends.astype(np.int32)),
+            block_tables=up(flat.block_tables.astype(np.int32)),
+            slot_mapping=up(flat.slot_mapping),
+            max_query_len=int(np.diff(qsl).max()),
             max_seq_len=int(ends.max()),
-            query_start_loc_host=qsl.tolist(),
+            query_start_loc_host=flat.query_start_loc,
             seq_lens_host=ends.tolist(),
         )
-        return _FlatBatch(
-            input_ids=torch.from_numpy(input_ids).to(dev),
-            positions=torch.from_numpy(positions).to(dev),
-            meta=meta,
-            order=order,
-            sample_rows=sample_rows,
-            logit_indices=torch.from_numpy(qsl[1:][sample_rows] - 1).to(dev),
-        )
+        return self.model(up(flat.input_ids), up(flat.positions), self.kv_caches, meta,
+                          self.backend)
+
+    def _upload(self, array: np.ndarray) -> torch.Tensor:
+        """A host array on the runner's device: on CUDA through pinned memory, without
+        waiting (torch keeps the pinned block until the copy is done); on the CPU as is."""
+        tensor = torch.from_numpy(array)
+        if self.device.type == "cuda":
+            return tensor.pin_memory().to(self.device, non_blocking=True)
+        return tensor.to(self.device)

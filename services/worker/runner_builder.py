@@ -1,5 +1,11 @@
 """Builds a worker's ModelRunner from settings: device, dtype, model, KV pool size.
 
+On CUDA, unless ``kv_cache_bytes`` or ``num_kv_blocks`` sizes it, the KV pool is sized
+from a profiling step (``memory_profile.py``: ``gpu_memory_utilization`` of the GPU's
+memory, less weights, activations and a reserve for the graphs); then, unless
+``enforce_eager``, the decode CUDA graphs are captured (``cuda_graphs.py``; one rank,
+a capturable attention backend), and how long that took and what it used is logged.
+
 Both the worker process (``services/worker/main.py``) and the in-process offline
 engine (``pagoda/engine.py``) start here, so the two size the KV pool and resolve
 ``max_model_len`` the same way; the result is what the worker reports to the
@@ -8,6 +14,8 @@ scheduler in its ``WorkerReady`` handshake.
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,17 +23,27 @@ import torch
 
 from kernels import cpu_fused, cpu_prefill
 from services.worker.attention import get_attention_backend
+from services.worker.attention.base import AttentionBackend
 from services.worker.cpu_memory import keep_large_allocations_in_heap
+from services.worker.cuda_graphs import DEFAULT_MAX_BATCH_SIZE
 from services.worker.layers.linear import pack_cpu_linears
 from services.worker.loader import load_model
+from services.worker.memory_profile import (
+    GRAPH_RESERVE_BYTES,
+    cuda_used,
+    describe,
+    dummy_step,
+    kv_cache_budget,
+    profile_memory,
+)
 from services.worker.model_config import ModelConfig
 from services.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
 from services.worker.parallel import SINGLE, ShardingError, TensorParallel
 from shared import model_limits
 from shared.config import EngineSettings
 
-DEFAULT_KV_CACHE_BYTES = 2 * 1024**3  # CPU default; on CUDA the pool takes free memory
-CUDA_MEMORY_UTILISATION = 0.85  # of the memory free after the weights
+log = logging.getLogger(__name__)
+DEFAULT_KV_CACHE_BYTES = 2 * 1024**3  # CPU default; on CUDA: memory_profile.py
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -40,6 +58,11 @@ class RunnerSpec:
     dtype: str = "auto"  # see resolve_dtype
     device: str = "auto"  # auto: cuda if available, else cpu
     attention_backend: str = "auto"  # see services/worker/attention/selector.py
+    max_num_seqs: int = 256  # the profiling step's sequences, the graphs' default bound
+    max_num_batched_tokens: int = 2048  # the profiling step's tokens
+    enforce_eager: bool = False  # no CUDA graphs
+    cuda_graph_max_batch_size: int | None = None  # None: min(max_num_seqs, 256)
+    gpu_memory_utilization: float = 0.9  # CUDA: the share of the GPU's memory used
 
     @classmethod
     def from_settings(cls, engine: EngineSettings) -> RunnerSpec:
@@ -48,7 +71,15 @@ class RunnerSpec:
             block_size=engine.block_size, kv_cache_bytes=engine.kv_cache_bytes,
             num_kv_blocks=engine.num_kv_blocks, max_model_len=engine.max_model_len,
             dtype=engine.dtype, device=engine.device, attention_backend=engine.attention_backend,
+            max_num_seqs=engine.max_num_seqs, max_num_batched_tokens=engine.max_num_batched_tokens,
+            enforce_eager=engine.enforce_eager,
+            cuda_graph_max_batch_size=engine.cuda_graph_max_batch_size,
+            gpu_memory_utilization=engine.gpu_memory_utilization,
         )
+
+    @property
+    def graph_max_batch_size(self) -> int:
+        return min(self.cuda_graph_max_batch_size or DEFAULT_MAX_BATCH_SIZE, self.max_num_seqs)
 
 
 @dataclass
@@ -99,11 +130,15 @@ def resolve_dtype_name(dtype: str, device: torch.device) -> str:
 def build_runner(model_dir: Path, spec: RunnerSpec, tp: TensorParallel = SINGLE) -> BuiltRunner:
     """The runner of one rank (``tp``: its tensor-parallel group; the whole model alone)."""
     device = resolve_device(spec.device)
+    baseline_used = 0
     if device.type == "cpu":
         keep_large_allocations_in_heap()
-    elif device.type == "cuda" and tp.size > 1 and device.index is None:
-        device = torch.device("cuda", tp.rank % torch.cuda.device_count())  # a GPU per rank
-        torch.cuda.set_device(device)
+    elif device.type == "cuda":
+        if tp.size > 1 and device.index is None:
+            device = torch.device("cuda", tp.rank % torch.cuda.device_count())  # a GPU per rank
+        if device.index is not None:  # the current device: Triton launches and graph
+            torch.cuda.set_device(device)  # replays go to its streams
+        baseline_used = cuda_used(device)  # before the weights: not the worker's
     dtype = resolve_dtype(spec.dtype, device)
     try:
         model = load_model(model_dir, dtype, device, max_position=None, tp=tp)
@@ -116,26 +151,84 @@ def build_runner(model_dir: Path, spec: RunnerSpec, tp: TensorParallel = SINGLE)
         cpu_prefill.available()
     # the frontend applies the same rule to the same config.json (shared/model_limits.py)
     max_model_len = model_limits.max_model_len(model.config.hf_config, spec.max_model_len)
-    num_blocks = _num_blocks(model, spec, dtype, device)
     attention = get_attention_backend(device, spec.attention_backend)
+    graphs = _use_cuda_graphs(spec, device, tp, attention)
+    num_blocks = _num_blocks(model, spec, dtype, device)
+    if num_blocks is None:  # CUDA, no size given: what the profiling step leaves
+        num_blocks = _profiled_num_blocks(model, attention, spec, dtype, device, max_model_len,
+                                          baseline_used, GRAPH_RESERVE_BYTES if graphs else 0)
     runner = ModelRunner(model, attention, num_blocks, spec.block_size, dtype, device)
+    if graphs:
+        _capture_graphs(runner, spec.graph_max_batch_size, max_model_len, device)
     return BuiltRunner(runner, model.config, max_model_len, num_blocks)
 
 
-def _num_blocks(model, spec: RunnerSpec, dtype: torch.dtype, device: torch.device) -> int:  # type: ignore[no-untyped-def]
+def _use_cuda_graphs(spec: RunnerSpec, device: torch.device, tp: TensorParallel,
+                     attention: AttentionBackend) -> bool:
+    if device.type != "cuda" or spec.enforce_eager:
+        return False
+    if tp.size > 1:
+        log.info("CUDA graphs off: not yet with tensor parallelism")
+        return False
+    if not attention.supports_cuda_graphs:
+        log.info("CUDA graphs off: the %s attention backend cannot be captured", attention.name)
+        return False
+    return True
+
+
+def _capture_graphs(runner: ModelRunner, max_batch_size: int, max_model_len: int,
+                    device: torch.device) -> None:
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    free_before = torch.cuda.mem_get_info(device)[0]
+    started = time.perf_counter()
+    try:
+        graphs = runner.enable_decode_graphs(max_batch_size, max_model_len, capture=True)
+    except RuntimeError as e:
+        raise RuntimeError(f"capturing the decode CUDA graphs failed ({e}); "
+                           "--enforce-eager runs without them") from e
+    used = free_before - torch.cuda.mem_get_info(device)[0]
+    log.info("CUDA graphs: %d decode batch sizes (1..%d) captured in %.1f s, %.0f MiB",
+             len(graphs.captured), graphs.max_batch_size, time.perf_counter() - started,
+             used / 2**20)
+    if used > GRAPH_RESERVE_BYTES:
+        log.warning("the CUDA graphs took %.0f MiB, more than the %.0f MiB reserved for them; "
+                    "lower --gpu-memory-utilization or --cuda-graph-max-batch-size if memory "
+                    "runs out", used / 2**20, GRAPH_RESERVE_BYTES / 2**20)
+
+
+def _num_blocks(model, spec: RunnerSpec, dtype: torch.dtype, device: torch.device) -> int | None:  # type: ignore[no-untyped-def]
+    """The pool as the settings size it; None on CUDA without a size (profiled)."""
     if spec.num_kv_blocks is not None:
         if spec.num_kv_blocks < 2:
             raise ValueError(f"num_kv_blocks must be >= 2, got {spec.num_kv_blocks}")
         return spec.num_kv_blocks
-    per_block = kv_cache_bytes_per_block(model, spec.block_size, dtype)
     budget = spec.kv_cache_bytes
     if budget is None:
         if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            budget = int(free * CUDA_MEMORY_UTILISATION)
-        else:
-            budget = DEFAULT_KV_CACHE_BYTES
+            return None
+        budget = DEFAULT_KV_CACHE_BYTES
+    per_block = kv_cache_bytes_per_block(model, spec.block_size, dtype)
     num_blocks = budget // per_block
     if num_blocks < 2:
         raise ValueError(f"kv_cache_bytes {budget} holds fewer than 2 blocks of {per_block} bytes")
+    return int(num_blocks)
+
+
+def _profiled_num_blocks(model, attention: AttentionBackend, spec: RunnerSpec,  # type: ignore[no-untyped-def]
+                         dtype: torch.dtype, device: torch.device, max_model_len: int,
+                         baseline_used: int, graph_reserve: int) -> int:
+    def step() -> None:
+        dummy_step(model, attention, spec.max_num_batched_tokens, spec.max_num_seqs,
+                   max_model_len, spec.block_size, dtype, device)
+
+    profile = profile_memory(step, device, baseline_used)
+    terms = describe(profile, spec.gpu_memory_utilization, graph_reserve)
+    per_block = kv_cache_bytes_per_block(model, spec.block_size, dtype)
+    num_blocks = kv_cache_budget(profile, spec.gpu_memory_utilization, graph_reserve) // per_block
+    if num_blocks < 2:
+        raise ValueError(f"no memory left for the KV cache ({terms}); raise "
+                         "--gpu-memory-utilization, or lower --max-num-batched-tokens / "
+                         "--max-num-seqs")
+    log.info("KV pool: %d blocks of %d bytes, from %s", num_blocks, per_block, terms)
     return int(num_blocks)

@@ -45,9 +45,25 @@ class AttentionMetadata:
 
 
 class AttentionBackend(ABC):
-    """One implementation of paged attention (torch on the CPU, Triton on CUDA)."""
+    """One implementation of paged attention (torch on the CPU, Triton on CUDA).
+
+    CUDA graphs (``services/worker/cuda_graphs.py``) capture the decode forward once per
+    batch size over persistent input buffers and replay it for later steps, so inside a
+    captured forward a backend may read the metadata's tensors only: the host lists
+    hold capture-time values, and a host sync would abort the capture. A backend that
+    keeps to this on decode-only batches says so with ``supports_cuda_graphs``; the
+    graph runner hands every metadata it builds (for capture, and for the same padded
+    path run eagerly) to ``prepare_graph`` first. Replay needs no hook: the runner
+    refreshes the buffers the captured kernels read.
+    """
 
     name: str
+    supports_cuda_graphs: bool = False
+
+    def prepare_graph(self, meta: AttentionMetadata, max_seq_len: int) -> None:
+        """Fix in ``meta.backend_state`` every launch choice ``forward`` would otherwise
+        derive from the host lists, so that it holds for any decode-only step of this
+        batch size whose sequences are at most ``max_seq_len`` long. Default: none."""
 
     @abstractmethod
     def forward(

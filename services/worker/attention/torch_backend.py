@@ -17,6 +17,9 @@ from services.worker.attention.base import AttentionBackend, AttentionMetadata
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+    # not capturable (supports_cuda_graphs False): the decode plan is sized from the host
+    # lists and syncs, as does the reference cache write; the graph runner's padded path
+    # still runs through it eagerly (its host lists are true then, padded rows included)
 
     def forward(
         self,

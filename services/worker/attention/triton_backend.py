@@ -5,6 +5,13 @@ split-K decode kernel serves the ``num_decodes`` leading sequences, and the varl
 prefill kernel serves the rest (fresh prompts, chunks and prefix hits alike, all
 read through the block table); both take the layer's sliding window and soft cap.
 Kernel tile sizes are fixed at construction.
+
+CUDA graphs: every launch reads its per-step values from the metadata's tensors (the
+cache write skips slot -1, the decode kernel bounds each sequence by its seq_len), save
+the decode split-K factor, chosen on the host from the longest sequence. For a graph
+``prepare_graph`` replaces that length by a bound (``max_model_len``): the factor is
+then fixed per batch size and layer window at capture, valid for every replayed step
+(a split past a sequence's end is empty, and the reduce gives it weight 0).
 """
 
 from __future__ import annotations
@@ -17,9 +24,12 @@ from kernels.prefill import paged_prefill_attention
 from kernels.triton_utils import HAS_TRITON
 from services.worker.attention.base import AttentionBackend, AttentionMetadata
 
+_GRAPH_MAX_SEQ_LEN = "graph_max_seq_len"  # backend_state key: prepare_graph's bound
+
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
+    supports_cuda_graphs = True
 
     def __init__(
         self,
@@ -36,6 +46,9 @@ class TritonAttentionBackend(AttentionBackend):
         self.prefill_block_m = prefill_block_m
         self.prefill_tile_n = prefill_tile_n
         self.num_splits = num_splits
+
+    def prepare_graph(self, meta: AttentionMetadata, max_seq_len: int) -> None:
+        meta.backend_state[_GRAPH_MAX_SEQ_LEN] = max_seq_len
 
     def forward(
         self,
@@ -54,9 +67,11 @@ class TritonAttentionBackend(AttentionBackend):
         out = torch.empty_like(query)
         nd = meta.num_decodes
         if nd:
+            # the split-K factor follows this length (the bound in a graph: see above)
+            max_len = meta.backend_state.get(_GRAPH_MAX_SEQ_LEN) or max(meta.seq_lens_host[:nd])
             paged_decode_attention(
                 query[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
-                max(meta.seq_lens_host[:nd]), scale, out=out[:nd], num_splits=self.num_splits,
+                max_len, scale, out=out[:nd], num_splits=self.num_splits,
                 min_tokens_per_split=self.min_tokens_per_split, tile_n=self.decode_tile_n,
                 window=window, softcap=softcap,
             )
