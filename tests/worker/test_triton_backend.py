@@ -17,6 +17,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import itertools
+
 from services.worker.attention.base import AttentionBackend
 from services.worker.attention.selector import ENV_VAR, default_backend_name, get_attention_backend
 from services.worker.attention.torch_backend import TorchAttentionBackend
@@ -97,3 +99,43 @@ def test_tiny_llama_greedy_tokens_match_torch_backend(tmp_path: Path) -> None:
         for rid in b:
             diff = float((a[rid].cpu() - b[rid].cpu()).abs().max())
             assert diff < 1e-3, f"step {step} {rid}: logits differ by {diff:.3g}"
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_fresh_prompts_go_to_flash_attention_and_chunks_stay_on_triton(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The routing, on the CPU: FlashAttention is CUDA-only, so its place is taken by the
+    reference attention over the same arguments (tests/kernels/test_flash_prefill.py
+    checks the real kernel against it on a GPU); the tokens must stay the torch
+    backend's, and only the steps whose prefills are all fresh may use it."""
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no CUDA device and TRITON_INTERPRET is not 1")
+    from kernels import reference
+    from services.worker.attention import triton_backend
+
+    calls: list[list[int]] = []
+
+    def flash_on_cpu(query, key, value, cu, max_len, scale, window=None):  # type: ignore[no-untyped-def]
+        bounds = cu.tolist()
+        calls.append(bounds)
+        assert max_len >= max(b - a for a, b in itertools.pairwise(bounds))
+        out = torch.empty_like(query)
+        for a, b in itertools.pairwise(bounds):
+            out[a:b] = reference.prefill_attention(query[a:b], key[a:b], value[a:b], scale, window)
+        return out
+
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(triton_backend, "flash_prefill_usable", lambda q, softcap: True)
+        monkeypatch.setattr(triton_backend, "flash_prefill", flash_on_cpu)
+    model_dir = make_checkpoint(tmp_path, "llama", seed=4, num_attention_heads=4,
+                                num_key_value_heads=2, head_dim=64)
+    backend = triton_backend.TritonAttentionBackend(
+        num_splits=2, decode_tile_n=16, prefill_block_m=16, prefill_tile_n=16)
+    ours, _ = _greedy_run(model_dir, backend)
+    ref, _ = _greedy_run(model_dir, TorchAttentionBackend())
+    assert ours == ref
+    if not torch.cuda.is_available():
+        # every layer of step 1 (a, b, c whole) and of step 2 (d's first chunk, behind
+        # three decodes); never step 3 (d's second chunk has 24 tokens of context)
+        layers = len(load_model(model_dir).layers)
+        assert calls == [[0, 16, 33, 38]] * layers + [[0, 24]] * layers

@@ -6,6 +6,13 @@ prefill kernel serves the rest (fresh prompts, chunks and prefix hits alike, all
 read through the block table); both take the layer's sliding window and soft cap.
 Kernel tile sizes are fixed at construction.
 
+Fresh prompts: a step whose prefills have no cached context (every key is one of the
+step's own new tokens) goes to torch's FlashAttention varlen kernel instead
+(``kernels/flash_prefill.py``: CUDA, fp16/bf16, no soft cap), which the Triton prefill
+kernel reached only 0.47-0.68x of on an H200 (``python -m kernels.bench``, beside torch
+SDPA); chunks over cached context (0.86-0.92x there), fp32 and soft caps stay on Triton.
+``flash_prefill=False`` keeps every prefill on Triton.
+
 CUDA graphs: every launch reads its per-step values from the metadata's tensors (the
 cache write skips slot -1, the decode kernel bounds each sequence by its seq_len), save
 the decode split-K factor, chosen on the host from the longest sequence. For a graph
@@ -19,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from kernels.cache_write import write_kv_cache
+from kernels.flash_prefill import flash_prefill, flash_prefill_usable, fresh_prefills
 from kernels.paged_decode import DEFAULT_MIN_TOKENS_PER_SPLIT, paged_decode_attention
 from kernels.prefill import paged_prefill_attention
 from kernels.triton_utils import HAS_TRITON
@@ -38,6 +46,7 @@ class TritonAttentionBackend(AttentionBackend):
         prefill_block_m: int = 64,
         prefill_tile_n: int = 64,
         num_splits: int | None = None,  # force the decode split-K factor; None: heuristic
+        flash_prefill: bool = True,  # fresh prompts through FlashAttention where usable
     ) -> None:
         if not HAS_TRITON:
             raise RuntimeError("the triton attention backend needs the triton package")
@@ -46,6 +55,7 @@ class TritonAttentionBackend(AttentionBackend):
         self.prefill_block_m = prefill_block_m
         self.prefill_tile_n = prefill_tile_n
         self.num_splits = num_splits
+        self.flash_prefill = flash_prefill
 
     def prepare_graph(self, meta: AttentionMetadata, max_seq_len: int) -> None:
         meta.backend_state[_GRAPH_MAX_SEQ_LEN] = max_seq_len
@@ -75,7 +85,12 @@ class TritonAttentionBackend(AttentionBackend):
                 min_tokens_per_split=self.min_tokens_per_split, tile_n=self.decode_tile_n,
                 window=window, softcap=softcap,
             )
-        if nd < meta.num_seqs:
+        if nd < meta.num_seqs and self._flash_fits(query, meta, softcap):
+            start = meta.query_start_loc_host[nd]  # the prefills' tokens: start..end
+            out[start:] = flash_prefill(query[start:], key[start:], value[start:],
+                                        meta.query_start_loc[nd:] - start, meta.max_query_len,
+                                        scale, window)
+        elif nd < meta.num_seqs:
             # the prefills' query_start_loc values index query/out directly
             paged_prefill_attention(
                 query, k_cache, v_cache, meta.query_start_loc[nd:], meta.seq_lens[nd:],
@@ -84,3 +99,9 @@ class TritonAttentionBackend(AttentionBackend):
                 window=window, softcap=softcap,
             )
         return out
+
+    def _flash_fits(self, query: torch.Tensor, meta: AttentionMetadata,
+                    softcap: float | None) -> bool:
+        return (self.flash_prefill and flash_prefill_usable(query, softcap)
+                and fresh_prefills(meta.query_start_loc_host, meta.seq_lens_host,
+                                   meta.num_decodes))
