@@ -1,19 +1,29 @@
 """Session fixtures: tiny random checkpoints and the default model (fetched once); tests
-marked ``gpu`` skip where there is no CUDA device."""
+marked ``gpu`` skip where there is no CUDA device.
+
+Without CUDA, Triton kernels run in its interpreter: TRITON_INTERPRET is read when a
+kernel is decorated (its module imported), and any test module may import one through
+the worker (runner_builder -> the attention backends), so it is set here, before any
+test module is collected; set later, a kernel decorated for compilation fails when an
+interpreted one calls it.
+"""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from support.checkpoints import make_checkpoint
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked ``gpu`` need a CUDA device: without one they are skipped, not failed."""
-    import torch
-
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
