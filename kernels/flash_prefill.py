@@ -6,10 +6,13 @@ step whose prefills are all fresh (no cached context: every key is one of the st
 own new tokens) needs plain causal varlen attention over the step's contiguous k and
 v, which is what ``torch.nn.attention.varlen.varlen_attn`` computes with the
 FlashAttention kernels torch ships: no extra package. Chunks over cached context,
-float32, soft caps (not exposed by torch's API) and torch builds whose ``varlen_attn``
-lacks ``window_size``, ``scale`` or ``enable_gqa`` stay on the Triton kernel:
+float32, soft caps (not exposed by torch's API), head sizes over 256 or GPUs before
+sm80 (FlashAttention 2's limits) and torch builds whose ``varlen_attn`` lacks
+``window_size`` or ``scale`` (torch 2.10 took ``is_causal``) stay on the Triton kernel:
 ``flash_prefill_usable`` decides, ``fresh_prefills`` tells a fresh step from the
-metadata's host lists, without a device sync.
+metadata's host lists, without a device sync. ``enable_gqa`` (torch 2.12 on) is passed
+where it exists; before it, torch hands k and v to FlashAttention as they are, which
+takes fewer KV heads than query heads natively.
 
 Reference: ``reference.prefill_attention`` per sequence.
 """
@@ -24,25 +27,35 @@ from typing import Any
 import torch
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
-_NEEDED_PARAMETERS = ("window_size", "scale", "enable_gqa")
+FLASH_MAX_HEAD_DIM = 256
+_NEEDED_PARAMETERS = ("window_size", "scale")
 
 
 @lru_cache(maxsize=1)
-def _varlen_attn() -> Callable[..., Any] | None:
-    """torch's varlen_attn where its signature has what this module passes, else None
-    (torch 2.10's took ``is_causal`` instead of ``window_size``; older ones had none)."""
+def _varlen_attn() -> tuple[Callable[..., Any], dict[str, Any]] | None:
+    """torch's varlen_attn and the optional keywords to pass it where its signature has
+    what this module needs, else None (torch 2.10's took ``is_causal`` instead of
+    ``window_size``; older ones had none)."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
     params = inspect.signature(varlen_attn).parameters
-    return varlen_attn if all(p in params for p in _NEEDED_PARAMETERS) else None
+    if not all(p in params for p in _NEEDED_PARAMETERS):
+        return None
+    return varlen_attn, ({"enable_gqa": True} if "enable_gqa" in params else {})
+
+
+@lru_cache(maxsize=8)
+def _sm80_or_later(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 def flash_prefill_usable(query: torch.Tensor, softcap: float | None) -> bool:
     """Whether this layer's fresh prefills can run on FlashAttention."""
     return (query.is_cuda and query.dtype in FLASH_DTYPES and softcap is None
-            and _varlen_attn() is not None)
+            and query.shape[-1] <= FLASH_MAX_HEAD_DIM and _varlen_attn() is not None
+            and _sm80_or_later(query.device))
 
 
 def fresh_prefills(query_start_loc: Sequence[int], seq_lens: Sequence[int],
@@ -62,11 +75,12 @@ def flash_prefill(
     scale: float,
     window: int | None = None,  # query at p sees keys p - window < j <= p
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
-    varlen_attn = _varlen_attn()
-    if varlen_attn is None:
+    found = _varlen_attn()
+    if found is None:
         raise RuntimeError("this torch build has no usable torch.nn.attention.varlen")
+    varlen_attn, extra = found
     # FlashAttention's window counts keys left of the query: ours counts the query too
     left = -1 if window is None else window - 1
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, scale=scale,
-                       window_size=(left, 0), enable_gqa=True)
+                       window_size=(left, 0), **extra)

@@ -12,8 +12,10 @@ model          a random-weight 1.07 B Llama (``random_model --preset 1b``, bf16,
                tokenizer when one is at hand)
 kernel_tests   ``pytest tests/kernels`` compiled on the GPU (no TRITON_INTERPRET; the CPU
                C++ kernels' tests are left out)
-exactness      ``pytest tests/gpu``: the engine against HF on CUDA, float32 greedy tokens
-               and logits, bf16 error beside HF bf16 (each test's figures come back)
+exactness      ``pytest -m gpu tests/gpu tests/worker/test_cuda_graphs.py``: the engine
+               against HF on CUDA, float32 greedy tokens and logits, bf16 error beside
+               HF bf16 (each test's figures come back); the decode CUDA graphs captured
+               and replayed against the eager path
 step_profile   one decode step at batch 64, context 512 under torch.profiler
 bench_offline  ``pagoda bench`` offline on the model, HF ``generate`` (bf16, static batch
                64) on the same GPU, and the roofline
@@ -176,7 +178,8 @@ def plan(args: argparse.Namespace, work: Path) -> list[Part]:
         Part("kernel_tests", [*pytest, f"--junitxml={work / 'kernel_tests.xml'}", *kernel_tests],
              240 * scale, lambda: junit_counts(work / "kernel_tests.xml"), needs_model=False,
              outputs=(work / "kernel_tests.xml",)),
-        Part("exactness", [*pytest, f"--junitxml={work / 'exactness.xml'}", "tests/gpu"],
+        Part("exactness", [*pytest, f"--junitxml={work / 'exactness.xml'}", "tests/gpu",
+                           "tests/worker/test_cuda_graphs.py", "-m", "gpu"],
              180 * scale,
              lambda: exactness_figures(work / "exactness.xml", work / "exactness.jsonl"),
              env={"PAGODA_GPU_TEST_MODEL": m,

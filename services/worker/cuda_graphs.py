@@ -65,22 +65,10 @@ def bucket_for(num_seqs: int, sizes: Sequence[int]) -> int | None:
 
 def needs_rope_plan(model: LlamaForCausalLM, max_seq_len: int) -> bool:
     """Whether a step whose longest sequence is ``max_seq_len`` rotates through a per-step
-    plan (``dynamic`` / ``longrope`` past their threshold), which a graph cannot replay.
-    The rotary decides, asked about one token at that length: the plan exists as soon as
-    one sequence is past the threshold."""
-    rotary = model.rotary
-    if not rotary.length_dependent:
-        return False
-    dev = rotary.cos_cache.device
-    one = torch.ones(1, dtype=torch.int32, device=dev)
-    probe = AttentionMetadata(
-        num_tokens=1, num_decodes=1,
-        query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=dev),
-        seq_lens=one, block_tables=one[None], slot_mapping=one.long(), max_query_len=1,
-        max_seq_len=max_seq_len, query_start_loc_host=[0, 1], seq_lens_host=[max_seq_len],
-    )
-    position = torch.tensor([max_seq_len - 1], dtype=torch.int64, device=dev)
-    return rotary.plan(position, probe) is not None
+    plan (``dynamic`` / ``longrope`` past their threshold), which a graph cannot replay:
+    decided on the host from the rotary's threshold, as its ``plan`` decides."""
+    threshold = model.rotary.plan_threshold
+    return threshold is not None and max_seq_len > threshold
 
 
 class DecodeGraphs:

@@ -12,8 +12,9 @@ a step needs besides the pool, and the pool takes
 where non-torch is what the process took outside torch's allocator while loading and
 profiling (library workspaces, loaded kernels), and the graph reserve is left for the
 decode CUDA graphs captured after the pool. It is capped by the memory free after
-profiling, less the reserve, so another process on the GPU shrinks the pool instead of
-failing its allocation. ``kv_cache_budget`` is the arithmetic (tested on the CPU),
+profiling, less the reserve and the peak activations (given back to the device when
+that was read, needed again by every large step), so another process on the GPU shrinks
+the pool instead of failing its allocation. ``kv_cache_budget`` is the arithmetic (tested on the CPU),
 ``dummy_step`` the step (it runs anywhere), ``profile_memory`` the CUDA measurement.
 """
 
@@ -52,7 +53,9 @@ def kv_cache_budget(profile: MemoryProfile, utilization: float, graph_reserve: i
     """Bytes the KV pool may take (0: none left); see the module docstring."""
     wanted = (int(profile.total * utilization) - profile.weights - profile.peak_activations
               - profile.non_torch - graph_reserve)
-    return max(0, min(wanted, profile.free - graph_reserve))
+    # free was read after the profiling step handed its activations back: later steps
+    # need them again, so the cap leaves them out as it leaves the graphs' reserve
+    return max(0, min(wanted, profile.free - graph_reserve - profile.peak_activations))
 
 
 def describe(profile: MemoryProfile, utilization: float, graph_reserve: int) -> str:

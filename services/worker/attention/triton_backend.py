@@ -33,6 +33,7 @@ from kernels.triton_utils import HAS_TRITON
 from services.worker.attention.base import AttentionBackend, AttentionMetadata
 
 _GRAPH_MAX_SEQ_LEN = "graph_max_seq_len"  # backend_state key: prepare_graph's bound
+_FRESH_PREFILLS = "fresh_prefills"  # backend_state key: the step's prefills are all fresh
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -102,6 +103,10 @@ class TritonAttentionBackend(AttentionBackend):
 
     def _flash_fits(self, query: torch.Tensor, meta: AttentionMetadata,
                     softcap: float | None) -> bool:
-        return (self.flash_prefill and flash_prefill_usable(query, softcap)
-                and fresh_prefills(meta.query_start_loc_host, meta.seq_lens_host,
-                                   meta.num_decodes))
+        if not (self.flash_prefill and flash_prefill_usable(query, softcap)):
+            return False
+        fresh = meta.backend_state.get(_FRESH_PREFILLS)  # once a step, not once a layer
+        if fresh is None:
+            fresh = meta.backend_state[_FRESH_PREFILLS] = fresh_prefills(
+                meta.query_start_loc_host, meta.seq_lens_host, meta.num_decodes)
+        return bool(fresh)

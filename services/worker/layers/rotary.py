@@ -138,6 +138,14 @@ class RotaryEmbedding(nn.Module):
     def length_dependent(self) -> bool:
         return self.rope_type in ("dynamic", "longrope")
 
+    @property
+    def plan_threshold(self) -> int | None:
+        """The sequence length past which ``plan`` returns a per-step plan (a step with a
+        longer sequence); None: never (static rope types)."""
+        if not self.length_dependent or self._hf is None:
+            return None
+        return self._hf.threshold
+
     @torch.no_grad()
     def fill_cache(self) -> None:
         device = self.cos_cache.device
