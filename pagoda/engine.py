@@ -84,7 +84,7 @@ class EngineCore:
             self._ahead = (first, self._run(first))
         batch, result = self._ahead
         self._ahead = None
-        if self.scheduler.has_unfinished_requests():
+        if self.scheduler.has_unfinished_requests() and not self.scheduler.waits_for_results():
             ahead = self._schedule()
             # nothing to run ahead (every sequence waits for this result): not sent
             if ahead.scheduled_request_ids or ahead.finished_request_ids:

@@ -133,3 +133,26 @@ def test_an_abort_mid_overlap_leaves_the_others_alone(model_dir: Path) -> None:
     assert 0 < len(got["r2"]) < 16 and got["r2"] == want["r2"][: len(got["r2"])]
     assert {k: v for k, v in got.items() if k != "r2"} == {
         k: v for k, v in want.items() if k != "r2"}
+
+
+def test_a_grammar_sequence_samples_every_step(tiny_smollm_dir: Path) -> None:
+    # its next mask needs the token in flight: beside a free-running sequence the engine
+    # waits for it instead of running ahead, so it samples every step, as without async
+    # scheduling, not every other one
+    so = StructuredOutputsParams(json={"type": "object", "properties": {
+        "a": {"type": "integer"}}, "required": ["a"]})
+    params = [SamplingParams(temperature=0.8, seed=5, max_tokens=24, structured_outputs=so),
+              SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)]
+    runs = []
+    for flag in (False, True):
+        llm = LLM(str(tiny_smollm_dir), dtype="float32", num_kv_blocks=64, max_model_len=256,
+                  async_scheduling=flag)
+        llm.engine.step_trace = []
+        outs = llm.generate(["Hello", "A story:"], params, use_tqdm=False)
+        trace = llm.engine.step_trace
+        grammar_seq = trace[0].new_requests[0].request_id  # submitted first
+        steps = [i for i, b in enumerate(trace) if grammar_seq in b.scheduled_request_ids]
+        runs.append((outs[0].outputs[0].token_ids, steps[-1] - steps[0] + 1))
+    (sync_tokens, sync_span), (async_tokens, async_span) = runs
+    assert async_tokens == sync_tokens and len(sync_tokens) > 3
+    assert async_span == sync_span == len(sync_tokens)

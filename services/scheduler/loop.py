@@ -126,7 +126,7 @@ class SchedulerLoop:
                     if sched.has_unfinished_requests():
                         self._launch()
                 if (0 < len(self._in_flight) < self._max_in_flight and not self._ahead_blocked
-                        and sched.has_unfinished_requests()):
+                        and sched.has_unfinished_requests() and not sched.waits_for_results()):
                     self._launch()
                 self._serve(self._poll_timeout_ms())
                 self._check_watchdog()

@@ -27,6 +27,9 @@ published, unapplied steps hold. A sequence that may end with the token in fligh
 not scheduled ahead when the scheduler can tell (``max_tokens``, ``max_model_len``),
 nor one under a grammar (its next mask needs that token); one that ends by a stop
 token is, and the workers' extra token of it is discarded at the next ``update``.
+While a sequence under a grammar has its token out, the callers do not schedule ahead
+at all (``waits_for_results``): it then samples every step, as without async
+scheduling, instead of every other one.
 A sequence aborted, preempted or finished while its steps are out keeps its blocks'
 reuse behind those steps: the workers run steps in order, and blocks freed now are
 handed out by a later ``schedule()`` only. A preempted sequence still takes the token
@@ -250,6 +253,13 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.running or self.waiting)
+
+    def waits_for_results(self) -> bool:
+        """Whether the next step should wait for the steps in flight instead of running
+        ahead of them: a running sequence under a grammar has its token out (its next
+        mask needs it). Scheduled ahead anyway, it would get a token every other step."""
+        return bool(self._num_grammar_seqs) and any(
+            r.grammar is not None and r.num_samples_ahead for r in self.running)
 
     # -- one step --------------------------------------------------------------------
     def schedule(self) -> StepBatch:

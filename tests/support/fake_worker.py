@@ -127,7 +127,7 @@ class AheadDriver:
             self.ahead = (first, self.worker.execute(first))
         batch, result = self.ahead
         self.ahead = None
-        if sched.has_unfinished_requests():
+        if sched.has_unfinished_requests() and not sched.waits_for_results():
             nxt = sched.schedule()
             if nxt.scheduled_request_ids or nxt.finished_request_ids:
                 self.ahead = (nxt, self.worker.execute(nxt))
