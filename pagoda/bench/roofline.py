@@ -79,8 +79,7 @@ def _timed(fn: Any, device: str, budget_s: float) -> float:
 def measure_matmul_flops(device: str = "cpu", n: int | None = None, budget_s: float = 1.5,
                          dtype: str = "float32") -> float:
     """FLOP/s of n x n products: the faster of torch.mm and, on a CPU, the engine's own
-    oneDNN linear on a packed weight. (This module's docstring is part of the bench
-    workload's corpus, ``workload.corpus_text``: edit it and the prompts change.)"""
+    oneDNN linear on a packed weight."""
     import torch
 
     n = n or (8192 if device.startswith("cuda") else 1024)

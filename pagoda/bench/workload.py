@@ -5,9 +5,10 @@ figures compare like with like. Two sources:
 
 - ``make_workload``: synthetic from a seed. Prompt and output lengths come from a
   ``LengthDist`` (``uniform:a,b`` or ``fixed:n``); prompts are cut from real English
-  text (the docstrings of this project's modules, read without importing them), or,
-  for a model without a tokenizer, are random token ids. The same seed gives the same
-  workload, token for token.
+  text (``corpus.txt``: the docstrings of nine of this project's modules, frozen in
+  2026-12 so that editing a docstring no longer changes the benchmark), or, for a
+  model without a tokenizer, are random token ids. The same seed gives the same
+  workload, token for token, on every commit since.
 - ``load_jsonl``: a file of prompts, one JSON object a line: ``{"prompt": "..."}``
   (optionally ``"prompt_token_ids"`` and ``"output_len"``), or a ShareGPT-style
   ``{"conversations": [{"from": "human", "value": ...}, {"from": "gpt", ...}]}`` whose
@@ -19,8 +20,6 @@ Output lengths are exact: runners send ``ignore_eos`` with ``max_tokens`` = the 
 
 from __future__ import annotations
 
-import ast
-import importlib.util
 import json
 import random
 from collections.abc import Iterable
@@ -28,12 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# modules whose docstrings make the prompt text: prose, not code, and always installed
-_CORPUS_MODULES = (
-    "pagoda.llm", "pagoda.launcher", "pagoda.client", "services.scheduler.metrics",
-    "services.tokenizer.engine_stats", "services.tokenizer.http_protocol",
-    "pagoda.bench.workload", "pagoda.bench.stats", "pagoda.bench.roofline",
-)
+CORPUS = Path(__file__).with_name("corpus.txt")
 
 
 @dataclass
@@ -90,16 +84,8 @@ class LengthDist:
 
 
 def corpus_text() -> str:
-    """Real prose for prompts: module docstrings, found and parsed without importing."""
-    parts = []
-    for name in _CORPUS_MODULES:
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.origin is None:
-            continue
-        doc = ast.get_docstring(ast.parse(Path(spec.origin).read_text(encoding="utf-8")))
-        if doc:
-            parts.append(doc)
-    return "\n\n".join(parts)
+    """Real prose for prompts (see the module docstring)."""
+    return CORPUS.read_text(encoding="utf-8")
 
 
 def make_workload(tokenizer: Any, num: int, prompt_range: tuple[int, int] | LengthDist,
