@@ -6,7 +6,9 @@ whose K/V must already be in the cache (the cache write runs first). Everything 
 read through the block table, so a fresh prompt, a later chunk and a prompt after a
 prefix hit are one code path.
 
-Grid ``(num_seqs, cdiv(max_query_len, BLOCK_Q), num_kv_heads)``. The query tile packs
+Grid ``(cdiv(max_query_len, BLOCK_Q), num_seqs, num_kv_heads)``: the query tiles on
+axis 0, whose CUDA limit is 2^31 - 1 (a long prompt with many query heads per KV head
+has one row a tile and could pass axis 1's 65,535). The query tile packs
 ``BLOCK_Q`` tokens x ``GROUP`` query heads of one KV head as its ``BLOCK_M`` rows
 (token-major), so each K/V tile is loaded once per group (GQA). Adapted idea: vLLM
 ``kernel_unified_attention_2d`` (query heads of a KV head packed into the M dimension).
@@ -51,8 +53,8 @@ def _prefill_kernel(
     DOT_PREC: tl.constexpr,
     SOFTCAP: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    q_tile = tl.program_id(1)
+    q_tile = tl.program_id(0)  # axis 0: up to 2^31 - 1 (axes 1 and 2: 65,535 on CUDA)
+    seq = tl.program_id(1)
     kv_head = tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + seq)
     query_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
@@ -142,7 +144,7 @@ def paged_prefill_attention(
     block_m = max(16, block_m, next_pow2(group))
     block_q = block_m // group
     upcast = interpret_mode()
-    grid = (num_seqs, -(-max_query_len // block_q), num_kv_heads)
+    grid = (-(-max_query_len // block_q), num_seqs, num_kv_heads)
     _prefill_kernel[grid](
         query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, out, scale * LOG2E,
         window or 0, (softcap or 0.0) * LOG2E,
