@@ -145,13 +145,16 @@ class Stack:
 
     def stop(self, force: threading.Event | None = None) -> bool:
         """Frontends first, then the scheduler, then the workers; True if every child
-        exited 0. Once ``force`` is set (a second Ctrl-C / SIGTERM) every live child gets
-        a second SIGTERM (a frontend then skips its drain) and at most ``FORCE_GRACE_S``
-        more before SIGKILL."""
+        exited 0. Once ``force`` is set (a second Ctrl-C / SIGTERM) the group being
+        stopped gets a second SIGTERM (a frontend then skips its drain and ends its
+        streams with ``abort``), and every child has at most ``FORCE_GRACE_S`` more,
+        all groups together, before SIGKILL. The order holds when forced too: the
+        scheduler stopping while a frontend still aborts its streams would fail them
+        with its own ``shutting_down`` error instead."""
         force = force or threading.Event()
         # a frontend drains for shutdown_timeout_s, then aborts and flushes: wait longer
         grace = self.config.process.shutdown_timeout_s + 10.0
-        forced = False
+        forced_until: float | None = None  # the deadline of every child once forced
         for group in (
             [c for c in self.children if c.name.startswith("frontend")],
             [c for c in self.children if c.name == "scheduler"],
@@ -163,18 +166,20 @@ class Stack:
             deadline = time.monotonic() + grace
             for c in group:
                 while c.proc.poll() is None:
-                    if force.is_set() and not forced:
-                        forced = True
-                        self._signal_live(signal.SIGTERM)
-                        deadline = min(deadline, time.monotonic() + FORCE_GRACE_S)
+                    if force.is_set() and forced_until is None:
+                        forced_until = time.monotonic() + FORCE_GRACE_S
+                        self._signal_live(group, signal.SIGTERM)
+                    if forced_until is not None:
+                        deadline = min(deadline, forced_until)
                     if time.monotonic() >= deadline:
                         c.proc.kill()
                     with contextlib.suppress(subprocess.TimeoutExpired):
                         c.proc.wait(STOP_POLL_S)  # wakes at its exit; else to look at force
         return all(c.proc.wait() == 0 for c in self.children)
 
-    def _signal_live(self, sig: signal.Signals) -> None:
-        for c in self.children:
+    @staticmethod
+    def _signal_live(children: list[Child], sig: signal.Signals) -> None:
+        for c in children:
             if c.proc.poll() is None:
                 c.proc.send_signal(sig)
 
