@@ -20,6 +20,9 @@ step_profile   one decode step at batch 64, context 512 under torch.profiler
 bench_offline  ``pagoda bench`` offline on the model, HF ``generate`` (bf16, static batch
                64) on the same GPU, and the roofline
 bench_launch   ``pagoda bench --launch``: the same requests through a local stack (HTTP)
+pipeline_ceiling  ``python -m pagoda.bench.pipeline_ceiling`` (HTTP, 2 frontends, 2 ms emulated
+               steps): what the scheduler, frontends and wire carry on this host's cores
+               at a GPU's pace, with each role's CPU microseconds per token
 kernel_bench   ``python -m kernels.bench``: each Triton kernel per shape beside SDPA
 
 ``--dry-run`` runs the same parts on the CPU at toy sizes (a toy model, a handful of
@@ -47,7 +50,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 PARTS = ("model", "kernel_tests", "exactness", "step_profile", "bench_offline", "bench_launch",
-         "kernel_bench")
+         "pipeline_ceiling", "kernel_bench")
 MIN_PART_S = 20.0  # a part is not started with less of the budget left
 TAIL_CHARS = 3000  # of each part's log, kept in the report
 KILL_GRACE_S = 10.0
@@ -170,6 +173,8 @@ def plan(args: argparse.Namespace, work: Path) -> list[Part]:
                 "--profile-steps", "1"] if dry else ["--batch", "64", "--context", "512"])
     kernel_tests = (["tests/kernels/test_cache_write.py"] if dry
                     else ["tests/kernels", "--ignore-glob=tests/kernels/test_cpu_*"])
+    ceiling = (["--num-requests", "8", "--prompt-len", "fixed:8", "--output-len", "fixed:8",
+                "--max-concurrency", "4"] if dry else ["--num-requests", "512"])
     scale = 0.5 if dry else 1.0
     parts = [
         Part("model", [py, "-m", "pagoda.bench.random_model", m, "--preset", "toy" if dry else "1b",
@@ -197,6 +202,11 @@ def plan(args: argparse.Namespace, work: Path) -> list[Part]:
                               "--output-json", str(work / "bench_launch.json")], 200 * scale,
              lambda: bench_figures(work / "bench_launch.json"),
              outputs=(work / "bench_launch.json",)),
+        Part("pipeline_ceiling", [py, "-m", "pagoda.bench.pipeline_ceiling", "--model", m,
+                                  "--transport", "http", "--no-progress", *ceiling,
+                                  "--output-json", str(work / "pipeline_ceiling.json")],
+             120 * scale, lambda: json.loads((work / "pipeline_ceiling.json").read_text()),
+             outputs=(work / "pipeline_ceiling.json",)),
         Part("kernel_bench", [py, "-m", "kernels.bench"], 150 * scale,
              lambda: {"rows": kernel_bench_rows(logs / "kernel_bench.log")}, needs_model=False),
     ]

@@ -57,8 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     model_dir = str(resolve_model(args.model))
-    work = make_workload(load_tokenizer(Path(model_dir)), args.num_requests, args.prompt_len,
-                         args.output_len, seed=0)
+    tokenizer = load_tokenizer(Path(model_dir))
+    vocab = None if tokenizer is not None else json.loads(
+        (Path(model_dir) / "config.json").read_text())["vocab_size"]
+    work = make_workload(tokenizer, args.num_requests, args.prompt_len, args.output_len, seed=0,
+                         vocab_size=vocab)
     engine = {"max_num_seqs": args.max_concurrency, "async_scheduling": args.async_scheduling,
               "service_nice": 0}
     with tempfile.TemporaryDirectory(prefix="pagoda-ceiling-") as tmp:

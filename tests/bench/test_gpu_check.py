@@ -43,6 +43,8 @@ def test_dry_run_completes_and_writes_one_report(tmp_path: Path) -> None:
         f = parts[name]["figures"]
         assert f["num_completed"] == f["num_requests"] == 4 and f["output_tok_s"] > 0, name
     assert parts["bench_offline"]["figures"]["hf_device"] == "cpu"  # the engine's device
+    ceiling = parts["pipeline_ceiling"]["figures"]
+    assert ceiling["failed"] == 0 and ceiling["output_tokens"] == 8 * 8 and ceiling["steps"] > 0
     assert [r["kernel"] for r in parts["kernel_bench"]["figures"]["rows"]] == [
         "decode", "decode", "prefill", "prefill", "cache_write"]
     assert report["environment"]["cuda"] is False
