@@ -20,10 +20,9 @@ from pathlib import Path
 
 import torch
 
+from pagoda.bench.step_profile import decode_driver
 from services.worker.runner_builder import RunnerSpec, build_runner
 from shared.config import EngineSettings
-from shared.protocol import NewRequest, RunningRequest, StepBatch
-from shared.sampling_params import SamplingParams
 
 
 def _time(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
@@ -37,30 +36,13 @@ def _time(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
 
 
 def bench_runner(model_dir: str, batch: int, context: int, repeats: int, block_size: int = 16) -> float:
-    blocks_per_seq = (context + repeats + 2) // block_size + 1
+    # blocks for the context and the warm-up + repeats decode steps, and block 0 left alone
+    per_seq = -(-(context + repeats + 2) // block_size)
     # the same runner a CPU worker builds (packed linears, allocator settings)
     settings = EngineSettings(model=model_dir, block_size=block_size,
-                              num_kv_blocks=batch * blocks_per_seq + 1, dtype="float32", device="cpu")
+                              num_kv_blocks=batch * per_seq + 1, dtype="float32", device="cpu")
     runner = build_runner(Path(model_dir), RunnerSpec.from_settings(settings)).runner
-    model = runner.model
-    for k, v in runner.kv_caches:
-        k.normal_()
-        v.normal_()
-    vocab = model.config.vocab_size
-    greedy = SamplingParams(temperature=0.0, max_tokens=None)
-    news = [
-        NewRequest(i, torch.randint(0, vocab, (context,)).tolist(), context, greedy,
-                   list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq)), context - 1)
-        for i in range(batch)
-    ]
-    ids = [n.request_id for n in news]
-    step = iter(range(10**9))
-    runner.execute(StepBatch(next(step), news, [], ids, [1] * batch))
-
-    def decode() -> None:
-        runner.execute(StepBatch(next(step), [], [RunningRequest(r) for r in ids], ids, [1] * batch))
-
-    return _time(decode, repeats)
+    return _time(decode_driver(runner, batch, context, repeats + 1), repeats)
 
 
 def bench_hf(model_dir: str, batch: int, context: int, repeats: int) -> float:
