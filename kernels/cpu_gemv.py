@@ -7,7 +7,7 @@ what the machine delivers (its fp32 path does not); the kernel here
 (``csrc/cpu_gemv.cpp``) streams the plain row-major weight ([N, K], as the model stores
 it, no packing) at close to full bandwidth with AVX512-BF16 ``vdpbf16ps``, and falls back
 to portable fp32 loops elsewhere. Tuned for 1..8 rows; more rows loop over groups of 8
-(``python -m kernels.bench_gemv`` compares it with oneDNN per shape and row count).
+(``python -m kernels.bench_linear`` compares it with oneDNN per shape and row count).
 
 Numerics: each output is an fp32 sum of exact bf16 products plus the bias in fp32,
 rounded once to bf16 (nearest even); only the summation order differs from

@@ -6,7 +6,7 @@
 // torch.ops.<PAGODA_OP_NS>.linear_bf16. Why not oneDNN: at batch 1 a linear does two
 // flops per 2-byte weight it reads once, so it is bound by memory bandwidth, and
 // oneDNN's bf16 linear on packed weights reads them well below what the AVX512-BF16 build
-// machines deliver (its fp32 path does not; see kernels/bench_gemv.py). Here the weights
+// machines deliver (its fp32 path does not; see kernels/bench_linear.py). Here the weights
 // are read in their plain row-major layout (no packing), each cache line once, as one
 // sequential stream per thread.
 //

@@ -78,8 +78,8 @@ def _timed(fn: Any, device: str, budget_s: float) -> float:
 
 def measure_matmul_flops(device: str = "cpu", n: int | None = None, budget_s: float = 1.5,
                          dtype: str = "float32") -> float:
-    """FLOP/s of n x n products: the faster of torch.mm and, on a CPU, the engine's own
-    oneDNN linear on a packed weight."""
+    """FLOP/s of n x n products: the fastest of torch.mm and, on a CPU, the engine's own
+    packed linears (oneDNN's and kernels.cpu_gemm)."""
     import torch
 
     n = n or (8192 if device.startswith("cuda") else 1024)
@@ -87,14 +87,15 @@ def measure_matmul_flops(device: str = "cpu", n: int | None = None, budget_s: fl
     b = torch.randn(n, n, device=device).to(getattr(torch, dtype))
     best = _timed(lambda: torch.mm(a, b), device, budget_s)
     if device == "cpu":
-        # and the way the engine multiplies (oneDNN on a packed weight): in fp32 on a Zen 5
-        # torch.mm reached 239 GFLOP/s and the packed linear 556, so mm alone put the
-        # ceiling below what the engine ran at
+        # and the ways the engine multiplies (packed weights): in fp32 on a Zen 5 torch.mm
+        # reached 239 GFLOP/s and the packed linears ~550, so mm alone put the ceiling
+        # below what the engine ran at
         from services.worker.layers.linear import linear, pack_weight
 
-        packed = pack_weight(b)
-        if packed is not None:
-            best = min(best, _timed(lambda: linear(a, b, None, packed), device, budget_s))
+        for kernel in ("onednn", "auto"):  # auto: cpu_gemm where it has a vector path
+            packed = pack_weight(b, kernel)
+            if packed is not None:
+                best = min(best, _timed(lambda p=packed: linear(a, b, None, p), device, budget_s))
     return 2 * n**3 / best
 
 

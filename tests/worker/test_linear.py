@@ -1,7 +1,8 @@
 """``layers.linear``: which kernel a CPU linear runs, and that each agrees with fp32 torch.
 
-bf16 at up to GEMV_MAX_ROWS rows streams the plain weight through ``kernels.cpu_gemv``;
-more rows, and fp32 at any count, use oneDNN's packed weight."""
+Where ``kernels.cpu_gemm`` has the vector path for the dtype, every row count runs it;
+elsewhere (and with ``kernel="onednn"``) bf16 at up to GEMV_MAX_ROWS rows streams the
+plain weight through ``kernels.cpu_gemv`` and the rest uses oneDNN's packed weight."""
 
 from __future__ import annotations
 
@@ -9,41 +10,78 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_gemv
+from kernels import cpu_gemm, cpu_gemv
 from services.worker.layers.linear import GEMV_MAX_ROWS, linear, pack_weight
 
-pytestmark = pytest.mark.skipif(pack_weight(torch.ones(8, 8)) is None,
-                                reason="oneDNN weight packing unavailable")
+onednn = pytest.mark.skipif(pack_weight(torch.ones(8, 8), "onednn") is None,
+                            reason="oneDNN weight packing unavailable")
 
 
-def _case(dtype: torch.dtype, rows: int, bias: bool):  # type: ignore[no-untyped-def]
+def _case(dtype: torch.dtype, rows: int, bias: bool, kernel: str = "auto"):  # type: ignore[no-untyped-def]
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 576, generator=g).to(dtype)
     w = (torch.randn(960, 576, generator=g) * 0.05).to(dtype)
     b = (torch.randn(960, generator=g) * 0.1).to(dtype) if bias else None
-    return x, w, b, pack_weight(w)
+    return x, w, b, pack_weight(w, kernel)
 
 
+def _close_to_fp32(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
+                   b: torch.Tensor | None) -> None:
+    want = F.linear(x.float(), w.float(), None if b is None else b.float())
+    tol = 1e-4 if got.dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 64, 300])
+def test_auto_runs_cpu_gemm_where_it_has_the_vector_path(dtype: torch.dtype, rows: int) -> None:
+    if dtype not in cpu_gemm.simd_dtypes():
+        pytest.skip(f"cpu_gemm has no vector path for {dtype} on this CPU")
+    x, w, b, packed = _case(dtype, rows, True)
+    assert packed is not None and packed.gemm and packed.out_features == 960
+    got = linear(x, w, b, packed)
+    assert torch.equal(got, cpu_gemm.linear(x, cpu_gemm.pack(w), 960, b))  # bit for bit
+    _close_to_fp32(got, x, w, b)
+
+
+@onednn
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_auto_without_the_vector_path_is_onednn(dtype: torch.dtype,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    # an AVX2-only CPU: the build has no vector path for either dtype
+    monkeypatch.setattr(cpu_gemm, "simd_dtypes", lambda: frozenset())
+    x, w, b, packed = _case(dtype, 4, True)
+    assert packed is not None and not packed.gemm
+    _close_to_fp32(linear(x, w, b, packed), x, w, b)
+
+
+@onednn
 @pytest.mark.skipif(not cpu_gemv.available(), reason="the cpu_gemv extension did not build")
 @pytest.mark.parametrize("rows", [1, 3, GEMV_MAX_ROWS])
 @pytest.mark.parametrize("bias", [False, True])
-def test_bf16_few_rows_run_the_gemv_kernel(rows: int, bias: bool) -> None:
-    x, w, b, packed = _case(torch.bfloat16, rows, bias)
+def test_onednn_bf16_few_rows_run_the_gemv_kernel(rows: int, bias: bool) -> None:
+    x, w, b, packed = _case(torch.bfloat16, rows, bias, "onednn")
+    assert packed is not None and not packed.gemm
     got = linear(x, w, b, packed)
     assert torch.equal(got, cpu_gemv.linear_bf16(x, w, b))  # that kernel, bit for bit
-    want = F.linear(x.float(), w.float(), None if b is None else b.float())
-    torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
+    _close_to_fp32(got, x, w, b)
 
 
+@onednn
 @pytest.mark.parametrize(("dtype", "rows"), [(torch.bfloat16, GEMV_MAX_ROWS + 1),
                                              (torch.bfloat16, 64), (torch.float32, 1)])
-def test_more_rows_and_fp32_run_onednn(dtype: torch.dtype, rows: int) -> None:
-    x, w, b, packed = _case(dtype, rows, True)
+def test_onednn_more_rows_and_fp32_run_onednn(dtype: torch.dtype, rows: int) -> None:
+    x, w, b, packed = _case(dtype, rows, True, "onednn")
+    assert packed is not None and not packed.gemm
     got = linear(x, w, b, packed)
-    assert torch.equal(got, torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], ""))
-    want = F.linear(x.float(), w.float(), b.float())
-    tol = 1e-4 if dtype == torch.float32 else 1e-2
-    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+    assert torch.equal(got, torch.ops.mkldnn._linear_pointwise(x, packed.data, b, "none", [],
+                                                               ""))
+    _close_to_fp32(got, x, w, b)
+
+
+def test_weights_off_the_cpu_or_in_other_dtypes_are_not_packed() -> None:
+    assert pack_weight(torch.ones(8, 8, dtype=torch.float16)) is None
+    assert pack_weight(torch.ones(8, 8, device="meta")) is None
 
 
 def test_without_a_packed_weight_it_is_f_linear() -> None:

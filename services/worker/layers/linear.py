@@ -1,27 +1,32 @@
-"""Linear layers of the model: one call that uses oneDNN-packed weights on the CPU.
+"""Linear layers of the model: one call that runs a CPU weight packed once at load.
 
-On an x86 CPU in float32, oneDNN's linear with weights reordered once into its
-blocked layout runs 1.3-2.5x faster than ``F.linear`` on the same plain weights at
-every batch size a step sees (1 to 2,048 rows; measured on the 2-core build machines),
-and the linears are most of a CPU step. ``pack_cpu_linears`` packs each weight of a
-loaded model once (the plain weight stays, for the loader, tests and other devices);
-``linear`` uses the packed copy when there is one and ``F.linear`` otherwise.
+A CPU step is mostly its linears, so each CPU weight is packed once, at load
+(``pack_cpu_linears``), for the fastest kernel this machine has for its dtype:
 
-In bf16 at up to ``GEMV_MAX_ROWS`` rows (decode steps of a few sequences) a linear is
-bound by reading its weight, and oneDNN's bf16 path reads well below the machine's
-bandwidth; there ``kernels.cpu_gemv`` streams the plain weight instead (a whole SmolLM2
-step's linears at batch 1: 1.35x faster; ``python -m kernels.bench_gemv``).
+- ``kernels.cpu_gemm`` where the CPU has the vector path for the dtype (AVX-512 for
+  fp32, AVX512-BF16 for bf16): at a decode step's 16-64 rows it runs SmolLM2's linears
+  1.3-1.6x faster than oneDNN in bf16 and 1.25-1.37x in fp32, at 1-8 rows at least as
+  fast as ``kernels.cpu_gemv``, and within noise of oneDNN at prefill sizes
+  (``python -m kernels.bench_linear``);
+- else oneDNN's linear on the weight reordered into its blocked layout (1.3-2.5x
+  ``F.linear`` on plain fp32 weights), and in bf16 at up to ``GEMV_MAX_ROWS`` rows
+  ``kernels.cpu_gemv`` on the plain weight, which reads it faster than oneDNN's bf16
+  path there.
+
+The plain weight stays (the loader, tests and other devices use it); ``linear`` uses
+the packed copy when there is one and ``F.linear`` otherwise.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_gemv
+from kernels import cpu_gemm, cpu_gemv
 
 log = logging.getLogger(__name__)
 _PACK_BATCH_HINT = 64  # oneDNN picks its blocking for this many rows; any count works
@@ -30,50 +35,71 @@ _PACK_BATCH_HINT = 64  # oneDNN picks its blocking for this many rows; any count
 GEMV_MAX_ROWS = 8
 
 
+@dataclass(frozen=True, slots=True)
+class PackedWeight:
+    """A CPU weight packed for one kernel: ``cpu_gemm`` (``gemm`` true) or oneDNN."""
+
+    data: torch.Tensor
+    out_features: int
+    gemm: bool
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           packed: torch.Tensor | None) -> torch.Tensor:
-    if packed is not None:  # a CPU weight (only those are packed)
-        if (x.shape[0] <= GEMV_MAX_ROWS and x.dtype == torch.bfloat16
-                and weight.is_contiguous() and cpu_gemv.available()):
-            return cpu_gemv.linear_bf16(x, weight, bias)
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    return F.linear(x, weight, bias)
+           packed: PackedWeight | None) -> torch.Tensor:
+    if packed is None:
+        return F.linear(x, weight, bias)
+    if packed.gemm:
+        return cpu_gemm.linear(x, packed.data, packed.out_features, bias)
+    if (x.shape[0] <= GEMV_MAX_ROWS and x.dtype == torch.bfloat16
+            and weight.is_contiguous() and cpu_gemv.available()):
+        return cpu_gemv.linear_bf16(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed.data, bias, "none", [], "")
 
 
-def can_pack(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available()
+def _onednn_available() -> bool:
+    return (torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """The oneDNN-packed copy of a [out, in] weight, or None where packing does not apply
-    or does not reproduce F.linear on a probe (then the plain path is used)."""
-    if not can_pack(weight):
+def pack_weight(weight: torch.Tensor, kernel: str = "auto") -> PackedWeight | None:
+    """The packed copy of a [out, in] CPU weight, or None where packing does not apply or
+    does not reproduce F.linear on a probe (then the plain path is used). ``kernel``:
+    ``auto`` (cpu_gemm where it has the vector path for the dtype, else oneDNN),
+    ``cpu_gemm`` or ``onednn`` (benchmarks compare them)."""
+    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    gemm = kernel == "cpu_gemm" or (kernel == "auto" and weight.dtype in cpu_gemm.simd_dtypes())
+    if gemm and not cpu_gemm.available():
+        return None
+    if not gemm and not _onednn_available():
         return None
     try:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_BATCH_HINT)
+        if gemm:
+            data = cpu_gemm.pack(weight)
+        else:
+            data = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_BATCH_HINT)
+        packed = PackedWeight(data, weight.shape[0], gemm)
         probe = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0))
-        probe = probe.to(weight.dtype)
-        got = torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [], "").float()
-        want = F.linear(probe.float(), weight.float())
+        got = linear(probe.to(weight.dtype), weight, None, packed).float()
+        want = F.linear(probe.to(weight.dtype).float(), weight.float())
     except RuntimeError as e:
-        log.warning("oneDNN weight packing unavailable (%s); using F.linear", e)
+        log.warning("%s weight packing unavailable (%s); using F.linear",
+                    "cpu_gemm" if gemm else "oneDNN", e)
         return None
     scale = float(want.abs().max()) or 1.0
     tol = 1e-4 if weight.dtype == torch.float32 else 2e-2  # bf16 output: 8 mantissa bits
     if not torch.allclose(got, want, rtol=tol, atol=tol * scale):
-        log.warning("oneDNN packed linear disagrees with F.linear; using F.linear")
+        log.warning("packed linear disagrees with F.linear; using F.linear")
         return None
     return packed
 
 
-def pack_cpu_linears(model: nn.Module) -> int:
+def pack_cpu_linears(model: nn.Module, kernel: str = "auto") -> int:
     """Pack every weight named in a module's ``PACKED_WEIGHTS``; returns how many."""
     count = 0
     for module in model.modules():
         for name in getattr(module, "PACKED_WEIGHTS", ()):
-            packed = pack_weight(getattr(module, name))
+            packed = pack_weight(getattr(module, name), kernel)
             setattr(module, f"{name}_packed", packed)
             count += packed is not None
     return count

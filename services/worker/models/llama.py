@@ -29,7 +29,7 @@ from kernels import cpu_fused
 from services.worker.attention.base import AttentionBackend, AttentionMetadata
 from services.worker.layers.embedding import VocabEmbedding
 from services.worker.layers.fused_path import use_triton
-from services.worker.layers.linear import linear
+from services.worker.layers.linear import PackedWeight, linear
 from services.worker.layers.norm import RMSNorm
 from services.worker.layers.rotary import RopePlan, RotaryEmbedding
 from services.worker.model_config import ModelConfig
@@ -53,8 +53,8 @@ class LlamaAttention(nn.Module):
                  window: int | None = None, shard: ShardSizes | None = None,
                  tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.qkv_weight_packed: torch.Tensor | None = None
-        self.o_weight_packed: torch.Tensor | None = None
+        self.qkv_weight_packed: PackedWeight | None = None
+        self.o_weight_packed: PackedWeight | None = None
         self.tp = tp
         self.num_heads = config.num_attention_heads if shard is None else shard.num_heads
         self.num_kv_heads = config.num_key_value_heads if shard is None else shard.num_kv_heads
@@ -109,8 +109,8 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.fused = fused  # Triton on CUDA, kernels.cpu_fused.silu_mul where it applies
         self.gelu = config.hidden_act == "gelu_pytorch_tanh"  # GeGLU (Gemma), else SwiGLU
-        self.gate_up_weight_packed: torch.Tensor | None = None
-        self.down_weight_packed: torch.Tensor | None = None
+        self.gate_up_weight_packed: PackedWeight | None = None
+        self.down_weight_packed: PackedWeight | None = None
         self.tp = tp
         self.intermediate_size = config.intermediate_size if shard is None else shard.intermediate
         self.gate_up_weight = _weight(2 * self.intermediate_size, config.hidden_size)
@@ -140,7 +140,7 @@ class LlamaMLP(nn.Module):
 
 
 def _row_parallel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  packed: torch.Tensor | None, tp: TensorParallel) -> torch.Tensor:
+                  packed: PackedWeight | None, tp: TensorParallel) -> torch.Tensor:
     """A row-parallel linear: each rank's partial product, summed over the group; the
     bias (held whole on every rank) added once, after the sum."""
     if tp.size == 1:
@@ -191,7 +191,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, max_position: int | None = None,
                  tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.lm_head_weight_packed: torch.Tensor | None = None
+        self.lm_head_weight_packed: PackedWeight | None = None
         self.config = config
         self.tp = tp
         # this rank's share of the split sizes (the whole model with one rank)

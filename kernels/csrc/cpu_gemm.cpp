@@ -1,0 +1,351 @@
+// Packed-weight GEMM for the CPU linears: y = x @ W.T (+ bias), x [M, K], W [N, K], in
+// bf16 (AVX512-BF16 vdpbf16ps, fp32 accumulators) or fp32 (AVX-512 FMA).
+//
+// Built at runtime by kernels/cpu_gemm.py (load_inline, -O3 -march=native, torch's
+// OpenMP pool) and registered as torch.ops.<PAGODA_OP_NS>.{pack, linear}. Why not
+// oneDNN: at the row counts of a decode step (16-128 rows) its packed linear runs
+// SmolLM2's shapes at 44-71 % of the machine's bf16 peak (kernels/bench_linear.py). With so
+// few rows a linear sits near the balance of weight reads and FMAs, so it needs both at
+// once: the weight read exactly once, as one prefetched sequential stream per thread,
+// while every FMA unit is busy.
+//
+// Layout (pack): W is cut into panels of kNR = 48 output columns (three zmm of 16 fp32
+// lanes); a panel is Ks = ceil(K / D) steps, each step the D consecutive K elements of
+// its 48 columns, column-major within the step (bf16: D = 2, the pair vdpbf16ps adds
+// into one lane; fp32: D = 1). So a step is 192 bytes (three cache lines) in both dtypes
+// and a panel is one contiguous run; columns past N and K elements past K are zero.
+//
+// Work: the panels are split into contiguous ranges over torch's pool. A thread takes x
+// in blocks of kMBlock rows (L2-resident) and, per panel, runs register tiles of kMR = 8
+// rows x 48 columns (24 accumulators) over all of K: per step, three loads of the panel
+// and one broadcast per x row (a bf16 pair or an fp32 element), 3 * MR FMAs. The panel
+// is read from DRAM by the first tile and from L1/L2 by the rest. While tile t of a
+// panel runs it prefetches its share of the next panel, so the next panel's DRAM read is
+// spread over all the FMAs of this one.
+//
+// Numerics: each output is an fp32 sum of exact products (bf16: vdpbf16ps flushes
+// denormal inputs and results to zero), plus the bias in fp32, rounded once to the
+// output dtype (bf16: nearest even). The summation order is the K order within each
+// lane; it is not torch's, so an output may differ from F.linear on fp32 copies by a
+// bf16 ulp where the sum sits near a tie, or by fp32 rounding.
+//
+// Without AVX-512 (AVX2-only machines, or with PAGODA_PORTABLE, which tests use to build
+// the fallback anywhere) plain loops over the same packed layout run instead:
+// correct, slow, and the caller (services/worker/layers/linear.py) then keeps oneDNN
+// (uses_simd() says which path was built). Inputs are checked here (ValueError).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "cpu_scalar.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    !defined(PAGODA_PORTABLE)
+#define PAGODA_GEMM_AVX512 1
+#include <immintrin.h>
+#if defined(__AVX512BF16__)
+#define PAGODA_GEMM_BF16 1
+#endif
+#endif
+
+#ifndef PAGODA_OP_NS
+#define PAGODA_OP_NS pagoda_cpu_gemm
+#endif
+
+namespace {
+
+using namespace pagoda_cpu_scalar;
+
+constexpr int kNR = 48;              // output columns per panel (three 16-lane vectors)
+constexpr int kVecs = kNR / 16;
+constexpr int kMR = 8;               // x rows per register tile: 8 x 3 = 24 accumulators
+constexpr int64_t kStepBytes = 192;  // one step of a panel, both dtypes
+constexpr int64_t kLine = 64;
+// x rows a thread takes across all its panels before the next block: 256 rows of K =
+// 1536 bf16 are 768 KB, within the 1-2 MB L2 of the build machines.
+constexpr int64_t kMBlock = 256;
+
+template <class T>
+constexpr int depth() {  // K elements per step
+  return sizeof(T) == 2 ? 2 : 1;
+}
+
+template <class T>
+struct Args {
+  const T* x;        // [M, Kp], rows ldx apart, zero past K
+  const T* packed;   // [P, Ks, kNR * D]
+  const T* bias;     // [N] or nullptr
+  T* out;            // [M, N] contiguous
+  int64_t M, N, Ks, ldx;
+};
+
+#ifdef PAGODA_GEMM_AVX512
+// acc[m][v] += x[m, step s] * panel[s][v] for the MR rows of a tile (bf16: a pair a lane)
+template <int MR>
+__attribute__((always_inline)) inline void step_f32(__m512 (&acc)[MR][kVecs], const float* x,
+                                                    int64_t ldx, const float* b, int64_t s) {
+  const float* bs = b + s * kNR;
+  __m512 w[kVecs];
+  for (int v = 0; v < kVecs; ++v) w[v] = _mm512_loadu_ps(bs + 16 * v);
+  for (int m = 0; m < MR; ++m) {
+    const __m512 xv = _mm512_set1_ps(x[m * ldx + s]);
+    for (int v = 0; v < kVecs; ++v) acc[m][v] = _mm512_fmadd_ps(xv, w[v], acc[m][v]);
+  }
+}
+
+#ifdef PAGODA_GEMM_BF16
+template <int MR>
+__attribute__((always_inline)) inline void step_bf16(__m512 (&acc)[MR][kVecs],
+                                                     const uint16_t* x, int64_t ldx,
+                                                     const uint16_t* b, int64_t s) {
+  const uint16_t* bs = b + s * 2 * kNR;
+  __m512bh w[kVecs];
+  for (int v = 0; v < kVecs; ++v) w[v] = (__m512bh)_mm512_loadu_si512(bs + 32 * v);
+  for (int m = 0; m < MR; ++m) {
+    int32_t pair;
+    std::memcpy(&pair, x + m * ldx + 2 * s, sizeof pair);
+    const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+    for (int v = 0; v < kVecs; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], xv, w[v]);
+  }
+}
+#endif
+
+template <class T, int MR>
+__attribute__((always_inline)) inline void do_step(__m512 (&acc)[MR][kVecs], const T* x,
+                                                   int64_t ldx, const T* b, int64_t s) {
+  if constexpr (sizeof(T) == 4) {
+    step_f32<MR>(acc, x, ldx, b, s);
+  } else {
+#ifdef PAGODA_GEMM_BF16
+    step_bf16<MR>(acc, x, ldx, b, s);
+#endif
+  }
+}
+
+inline __m512 load_bias(const float* bias, int64_t n, __mmask16 mask) {
+  return _mm512_maskz_loadu_ps(mask, bias + n);
+}
+inline __m512 load_bias(const uint16_t* bias, int64_t n, __mmask16 mask) {
+  const __m256i h = _mm256_maskz_loadu_epi16(mask, bias + n);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline void store_vec(float* out, __m512 v, __mmask16 mask) {
+  _mm512_mask_storeu_ps(out, mask, v);
+}
+inline void store_vec(uint16_t* out, __m512 v, __mmask16 mask) {
+#ifdef PAGODA_GEMM_BF16
+  _mm256_mask_storeu_epi16(out, mask, (__m256i)_mm512_cvtneps_pbh(v));
+#else
+  alignas(64) float t[16];
+  _mm512_store_ps(t, v);
+  for (int i = 0; i < 16; ++i)
+    if (mask >> i & 1) out[i] = bf16_bits(t[i]);
+#endif
+}
+
+// Rows [m0, m0 + MR) x the 48 columns of one panel, over all Ks steps; prefetches the
+// lines [pf, pf_end) of the next panel, lines_per_step of them a step.
+template <class T, int MR>
+void tile(const Args<T>& a, int64_t m0, int64_t panel, const char* pf, const char* pf_end,
+          int lines_per_step) {
+  const T* b = a.packed + panel * a.Ks * kNR * depth<T>();
+  const T* x = a.x + m0 * a.ldx;
+  __m512 acc[MR][kVecs];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < kVecs; ++v) acc[m][v] = _mm512_setzero_ps();
+  int64_t s = 0;
+  // the prefetching part of the loop, then the rest without the bound check
+  const int64_t pf_steps =
+      pf < pf_end ? std::min<int64_t>(a.Ks, (pf_end - pf + kLine * lines_per_step - 1) /
+                                                (kLine * lines_per_step))
+                  : 0;
+  for (; s < pf_steps; ++s) {
+    for (int l = 0; l < lines_per_step; ++l) {
+      const char* p = pf + (s * lines_per_step + l) * kLine;
+      if (p < pf_end) _mm_prefetch(p, _MM_HINT_T0);
+    }
+    do_step<T, MR>(acc, x, a.ldx, b, s);
+  }
+#pragma GCC unroll 2
+  for (; s < a.Ks; ++s) {
+    do_step<T, MR>(acc, x, a.ldx, b, s);
+  }
+  const int64_t n0 = panel * kNR;
+  for (int v = 0; v < kVecs; ++v) {
+    const int64_t n = n0 + 16 * v, left = a.N - n;
+    if (left <= 0) break;
+    const __mmask16 mask = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+    const __m512 bias = a.bias ? load_bias(a.bias, n, mask) : _mm512_setzero_ps();
+    for (int m = 0; m < MR; ++m)
+      store_vec(a.out + (m0 + m) * a.N + n, _mm512_add_ps(acc[m][v], bias), mask);
+  }
+}
+
+template <class T>
+void run_tile(const Args<T>& a, int64_t m0, int mr, int64_t panel, const char* pf,
+              const char* pf_end, int lines) {
+  switch (mr) {
+    case 1: tile<T, 1>(a, m0, panel, pf, pf_end, lines); break;
+    case 2: tile<T, 2>(a, m0, panel, pf, pf_end, lines); break;
+    case 3: tile<T, 3>(a, m0, panel, pf, pf_end, lines); break;
+    case 4: tile<T, 4>(a, m0, panel, pf, pf_end, lines); break;
+    case 5: tile<T, 5>(a, m0, panel, pf, pf_end, lines); break;
+    case 6: tile<T, 6>(a, m0, panel, pf, pf_end, lines); break;
+    case 7: tile<T, 7>(a, m0, panel, pf, pf_end, lines); break;
+    default: tile<T, 8>(a, m0, panel, pf, pf_end, lines); break;
+  }
+}
+
+// Panels [p0, p1) for every row of x.
+template <class T>
+void run_panels_simd(const Args<T>& a, int64_t p0, int64_t p1) {
+  const int64_t panel_bytes = a.Ks * kStepBytes;
+  const char* base = reinterpret_cast<const char*>(a.packed);
+  for (int64_t mb = 0; mb < a.M; mb += kMBlock) {
+    const int64_t rows = std::min(kMBlock, a.M - mb);
+    const int64_t tiles = (rows + kMR - 1) / kMR;
+    // the next panel's 3 * Ks lines over tiles * Ks steps
+    const int lines = static_cast<int>(std::max<int64_t>(1, (kVecs + tiles - 1) / tiles));
+    const int64_t share = static_cast<int64_t>(lines) * a.Ks * kLine;  // bytes per tile
+    for (int64_t p = p0; p < p1; ++p) {
+      const char* next = base + (p + 1) * panel_bytes;
+      const char* next_end = p + 1 < p1 ? next + panel_bytes : next;  // none past the range
+      for (int64_t t = 0; t < tiles; ++t) {
+        const char* pf = next + t * share;
+        run_tile<T>(a, mb + t * kMR, static_cast<int>(std::min<int64_t>(kMR, rows - t * kMR)),
+                    p, pf, std::min(next_end, pf + share), lines);
+      }
+    }
+  }
+}
+#endif
+
+// Portable: the same packed layout, plain loops (tests and machines without AVX-512).
+template <class T>
+void run_panels_portable(const Args<T>& a, int64_t p0, int64_t p1) {
+  constexpr int D = depth<T>();
+  for (int64_t p = p0; p < p1; ++p) {
+    const T* b = a.packed + p * a.Ks * kNR * D;
+    for (int64_t m = 0; m < a.M; ++m) {
+      float acc[kNR] = {};
+      const T* x = a.x + m * a.ldx;
+      for (int64_t s = 0; s < a.Ks; ++s)
+        for (int c = 0; c < kNR; ++c)
+          for (int d = 0; d < D; ++d)
+            acc[c] += to_f32(x[s * D + d]) * to_f32(b[(s * kNR + c) * D + d]);
+      for (int c = 0; c < kNR && p * kNR + c < a.N; ++c) {
+        const int64_t n = p * kNR + c;
+        store(acc[c] + (a.bias ? to_f32(a.bias[n]) : 0.0f), a.out + m * a.N + n);
+      }
+    }
+  }
+}
+
+template <class T>
+void run_panels(const Args<T>& a, int64_t p0, int64_t p1) {
+#ifdef PAGODA_GEMM_AVX512
+  if constexpr (sizeof(T) == 4) return run_panels_simd(a, p0, p1);
+#endif
+#ifdef PAGODA_GEMM_BF16
+  if constexpr (sizeof(T) == 2) return run_panels_simd(a, p0, p1);
+#endif
+  run_panels_portable(a, p0, p1);
+}
+
+void check_cpu_float(const at::Tensor& t, const char* what) {
+  TORCH_CHECK_VALUE(t.device().is_cpu(), what, " must be a CPU tensor, got ", t.device());
+  TORCH_CHECK_VALUE(t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kFloat, what,
+                    " must be bfloat16 or float32, got ", t.scalar_type());
+}
+
+int64_t depth_of(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16 ? 2 : 1; }
+
+// [N, K] -> [P, Ks, kNR * D], zero-padded (see the layout above).
+at::Tensor pack(const at::Tensor& weight) {
+  check_cpu_float(weight, "weight");
+  TORCH_CHECK_VALUE(weight.dim() == 2, "weight must be [N, K], got ", weight.sizes());
+  const int64_t N = weight.size(0), K = weight.size(1), D = depth_of(weight);
+  const int64_t P = (N + kNR - 1) / kNR, Ks = (K + D - 1) / D;
+  at::Tensor padded = at::zeros({P * kNR, Ks * D}, weight.options());
+  padded.narrow(0, 0, N).narrow(1, 0, K).copy_(weight);
+  // [P, 48, Ks, D] -> [P, Ks, 48, D]
+  return padded.view({P, kNR, Ks, D}).permute({0, 2, 1, 3}).contiguous().view({P, Ks, kNR * D});
+}
+
+at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n,
+                  const std::optional<at::Tensor>& bias_in) {
+  check_cpu_float(x_in, "x");
+  check_cpu_float(packed, "packed");
+  TORCH_CHECK_VALUE(x_in.scalar_type() == packed.scalar_type(), "x is ", x_in.scalar_type(),
+                    " but the packed weight is ", packed.scalar_type());
+  TORCH_CHECK_VALUE(x_in.dim() == 2, "x must be [M, K], got ", x_in.sizes());
+  const int64_t M = x_in.size(0), K = x_in.size(1), D = depth_of(x_in);
+  const int64_t P = (n + kNR - 1) / kNR, Ks = (K + D - 1) / D;
+  TORCH_CHECK_VALUE(n >= 0 && packed.dim() == 3 && packed.is_contiguous() &&
+                        packed.size(0) == P && packed.size(1) == Ks &&
+                        packed.size(2) == kNR * D,
+                    "packed weight ", packed.sizes(), " is not pack() of a [", n, ", ", K,
+                    "] weight");
+  at::Tensor bias;
+  if (bias_in.has_value()) {
+    TORCH_CHECK_VALUE(bias_in->scalar_type() == x_in.scalar_type() && bias_in->dim() == 1 &&
+                          bias_in->size(0) == n && bias_in->device().is_cpu(),
+                      "bias must be a CPU [", n, "] ", x_in.scalar_type(), " tensor, got ",
+                      bias_in->sizes(), " ", bias_in->scalar_type());
+    bias = bias_in->contiguous();
+  }
+  at::Tensor out = at::empty({M, n}, x_in.options());
+  if (M == 0 || n == 0) return out;
+  // rows may be any distance apart; a row must be adjacent elements, padded to Ks * D
+  at::Tensor x = x_in;
+  if (K == 0) return out.zero_().add_(bias.defined() ? bias : at::zeros({n}, out.options()));
+  if (x.stride(1) != 1 || K % D != 0) {
+    x = at::zeros({M, Ks * D}, x_in.options());
+    x.narrow(1, 0, K).copy_(x_in);
+  }
+  AT_DISPATCH_SWITCH(x.scalar_type(), "pagoda_cpu_gemm",
+      AT_DISPATCH_CASE(at::kFloat, [&] {
+        const Args<float> a{x.const_data_ptr<float>(), packed.const_data_ptr<float>(),
+                            bias.defined() ? bias.const_data_ptr<float>() : nullptr,
+                            out.mutable_data_ptr<float>(), M, n, Ks, x.stride(0)};
+        at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) { run_panels(a, p0, p1); });
+      })
+      AT_DISPATCH_CASE(at::kBFloat16, [&] {
+        using U = uint16_t;
+        const Args<U> a{static_cast<const U*>(x.const_data_ptr()),
+                        static_cast<const U*>(packed.const_data_ptr()),
+                        bias.defined() ? static_cast<const U*>(bias.const_data_ptr()) : nullptr,
+                        static_cast<U*>(out.mutable_data_ptr()), M, n, Ks, x.stride(0)};
+        at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) { run_panels(a, p0, p1); });
+      }));
+  return out;
+}
+
+// Which dtypes run the vector kernels (else the portable loops): "float32", "bfloat16"
+std::vector<std::string> simd_dtypes() {
+  std::vector<std::string> out;
+#ifdef PAGODA_GEMM_AVX512
+  out.emplace_back("float32");
+#endif
+#ifdef PAGODA_GEMM_BF16
+  out.emplace_back("bfloat16");
+#endif
+  return out;
+}
+
+}  // namespace
+
+#define PAGODA_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+PAGODA_LIBRARY(PAGODA_OP_NS, m) {
+  m.def("pack(Tensor weight) -> Tensor", &pack);
+  m.def("linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor", &linear);
+  m.def("simd_dtypes() -> str[]", &simd_dtypes);
+}
