@@ -7,11 +7,16 @@ machine's bf16 peak there. The kernel here (``csrc/cpu_gemm.cpp``) reads each we
 panel once as a prefetched sequential stream while an 8 x 48 register tile keeps the
 FMA units busy (``python -m kernels.bench_linear`` compares it with oneDNN per shape and
 row count). ``pack`` lays a [N, K] weight out in 48-column panels; ``linear`` takes the
-packed weight and N.
+packed weight and N. ``pack_gated`` / ``linear_silu`` do a SwiGLU MLP's gate_up
+projection and ``silu(gate) * up`` in one call, the gate and up panels of the same
+columns in turn, so the product is formed from registers and L1 instead of a [M, 2I]
+tensor that the next op reads back (half of it from the other core's cache).
 
 Numerics: each output is an fp32 sum of exact products plus the bias in fp32, rounded
 once to the dtype (bf16: nearest even; vdpbf16ps flushes denormals); only the summation
-order differs from ``F.linear`` on fp32 copies. The op checks its inputs (ValueError).
+order differs from ``F.linear`` on fp32 copies. ``linear_silu`` rounds the gate and up
+sums as ``linear`` stores them and then applies ``cpu_fused.silu_mul``'s arithmetic (the
+shared ``csrc/cpu_silu.h``): bit-equal to ``silu_mul(linear(x, pack(W), 2 I, b))``. The op checks its inputs (ValueError).
 ``available()`` reports whether it built; ``simd_dtypes()`` which dtypes run the vector
 kernels (AVX-512 for fp32, AVX512-BF16 for bf16): elsewhere the op runs portable loops
 (tests only), and callers keep oneDNN.
@@ -30,7 +35,10 @@ OP_NAMESPACE = "pagoda_cpu_gemm"  # the source's default PAGODA_OP_NS
 def build_library(namespace: str = OP_NAMESPACE, defines: tuple[str, ...] = ()) -> None:
     """Compile (or load from the cache) the kernel as ``torch.ops.<namespace>``; tests
     build the portable path as a variant (``defines=("PAGODA_PORTABLE",)``)."""
-    build_extension(namespace, _SOURCE, [SCALAR_HEADER], defines=defines)
+    # no FMA contraction: the gated epilogue's SiLU must round as cpu_fused's (the GEMM's
+    # own FMAs are intrinsics)
+    build_extension(namespace, _SOURCE, [SCALAR_HEADER, CSRC / "cpu_silu.h"],
+                    extra_cflags=("-ffp-contract=off",), defines=defines)
 
 
 _extension = LazyExtension("cpu_gemm kernel", lambda: build_library())
@@ -58,6 +66,18 @@ def simd_dtypes() -> frozenset[torch.dtype]:
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """The [N, K] bf16 / fp32 weight in the kernel's panel layout (a new tensor)."""
     return _ops().pack(weight.detach())  # type: ignore[no-any-return]
+
+
+def pack_gated(weight: torch.Tensor) -> torch.Tensor:
+    """A [2 I, K] gate_up weight (gate rows, then up rows) packed for ``linear_silu``."""
+    return _ops().pack_gated(weight.detach())  # type: ignore[no-any-return]
+
+
+def linear_silu(x: torch.Tensor, packed: torch.Tensor, n: int,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    """``silu(x @ W_gate.T + b_gate) * (x @ W_up.T + b_up)`` [M, n] for ``packed =
+    pack_gated(W)``, n = I; bias [2 I] (gate's, then up's) or None."""
+    return _ops().linear_silu(x, packed, n, bias)  # type: ignore[no-any-return]
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, n: int,

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "cpu_scalar.h"
+#include "cpu_silu.h"
 
 #ifndef PAGODA_OP_NS
 #define PAGODA_OP_NS pagoda_cpu_fused
@@ -32,6 +33,8 @@
 namespace {
 
 using namespace pagoda_cpu_scalar;
+using pagoda_cpu_silu::silu_bf16_table;
+using pagoda_cpu_silu::silu_rounded;
 
 // Elements per parallel chunk: below this the pool's wake-up costs more than the work
 // (a [1, 576] norm takes well under a microsecond).
@@ -42,12 +45,6 @@ inline int64_t grain_rows(int64_t row_elems) {
 }
 
 
-// x as torch holds it in a tensor of element type T, read back as fp32.
-template <typename T>
-inline float rounded(float x) {
-  if constexpr (std::is_same_v<T, float>) return x;
-  else return to_f32(bf16_bits(x));
-}
 
 
 template <typename Fn>
@@ -250,28 +247,6 @@ std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& q_in, const at::Tens
 }
 
 // ---------------------------------------------------------------- SiLU and multiply
-
-// silu(g) as torch's F.silu computes it, g / (1 + exp(-g)) in fp32, stored as T.
-template <typename T>
-inline float silu_rounded(float g) {
-  return rounded<T>(g / (1.0f + exp_f32(-g)));
-}
-
-// silu_rounded<bf16> of every bf16 value, as fp32, indexed by its bits. The exp already
-// vectorises, but it still costs ~35 cycles per 16 lanes; a bf16 gate has only 2^16
-// values, and one gather from this table (256 KiB; the values a model's gates take hit
-// far fewer lines) is ~2.5x cheaper. Built once per process (~0.5 ms) by the same code,
-// so the results are the same bits.
-const float* silu_bf16_table() {
-  static const std::vector<float> table = [] {
-    std::vector<float> t(1 << 16);
-    float* tp = t.data();
-#pragma omp simd
-    for (int32_t b = 0; b < (1 << 16); ++b) tp[b] = silu_rounded<uint16_t>(to_f32(uint16_t(b)));
-    return t;
-  }();
-  return table.data();
-}
 
 // silu(gate) * up as torch computes F.silu(gate) * up: silu stored as T, then the
 // product in fp32, stored as T.

@@ -46,6 +46,7 @@
 #include <vector>
 
 #include "cpu_scalar.h"
+#include "cpu_silu.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
     !defined(PAGODA_PORTABLE)
@@ -63,6 +64,8 @@
 namespace {
 
 using namespace pagoda_cpu_scalar;
+using pagoda_cpu_silu::silu_bf16_table;
+using pagoda_cpu_silu::silu_rounded;
 
 constexpr int kNR = 48;              // output columns per panel (three 16-lane vectors)
 constexpr int kVecs = kNR / 16;
@@ -82,10 +85,57 @@ template <class T>
 struct Args {
   const T* x;        // [M, Kp], rows ldx apart, zero past K
   const T* packed;   // [P, Ks, kNR * D]
-  const T* bias;     // [N] or nullptr
+  const T* bias;     // [N] (gated: [2 N], the gate's then the up's) or nullptr
   T* out;            // [M, N] contiguous
   int64_t M, N, Ks, ldx;
+  // The panels come in (gate, up) pairs (pack_gated) and out = silu(gate) * up, N the
+  // intermediate size; else out = x W^T + bias.
+  bool gated;
 };
+
+// What a tile does with its sums: store them; or, of a gated pair, keep the gate's
+// (rounded as torch stores gate_up) for the up tile, which stores silu(gate) * up.
+enum class Epilogue { kStore, kGate, kSiluUp };
+
+constexpr int group_panels(bool gated) { return gated ? 2 : 1; }
+
+// The bias of the kNR columns from n0 (gated: of the gate or the up half), zero past N.
+template <class T>
+void bias_columns(const Args<T>& a, int64_t n0, Epilogue e, float (&out)[kNR]) {
+  const T* bias = a.bias ? a.bias + (e == Epilogue::kSiluUp ? a.N : 0) : nullptr;
+  for (int c = 0; c < kNR; ++c) out[c] = bias && n0 + c < a.N ? to_f32(bias[n0 + c]) : 0.0f;
+}
+
+// The gated epilogues on fp32 sums (bias not yet added) of rows [m0, m0 + rows) x the
+// kNR columns from n0: kGate keeps rounded<T>(sum + bias) in gate; kSiluUp stores
+// silu(gate) * rounded<T>(up + bias) as cpu_fused's silu_mul does (the same bits).
+template <class T>
+void gated_epilogue(const Args<T>& a, Epilogue e, int64_t m0, int rows, int64_t n0,
+                    const float (*sums)[kNR], float (*gate)[kNR]) {
+  float bias[kNR];
+  bias_columns(a, n0, e, bias);
+  const int64_t cols = std::min<int64_t>(kNR, a.N - n0);
+  for (int m = 0; m < rows; ++m) {
+    if (e == Epilogue::kGate) {
+#pragma omp simd
+      for (int c = 0; c < kNR; ++c) gate[m][c] = rounded<T>(sums[m][c] + bias[c]);
+      continue;
+    }
+    T* out = a.out + (m0 + m) * a.N + n0;
+    if constexpr (sizeof(T) == 4) {
+#pragma omp simd
+      for (int64_t c = 0; c < cols; ++c)
+        store(silu_rounded<T>(gate[m][c]) * (sums[m][c] + bias[c]), out + c);
+    } else {
+      const float* table = silu_bf16_table();
+#pragma omp simd
+      for (int64_t c = 0; c < cols; ++c) {
+        const uint32_t bits = __builtin_bit_cast(uint32_t, gate[m][c]) >> 16;
+        store(table[bits] * rounded<T>(sums[m][c] + bias[c]), out + c);
+      }
+    }
+  }
+}
 
 #ifdef PAGODA_GEMM_AVX512
 // acc[m][v] += x[m, step s] * panel[s][v] for the MR rows of a tile (bf16: a pair a lane)
@@ -153,9 +203,9 @@ inline void store_vec(uint16_t* out, __m512 v, __mmask16 mask) {
 
 // Rows [m0, m0 + MR) x the 48 columns of one panel, over all Ks steps; prefetches the
 // lines [pf, pf_end) of the next panel, lines_per_step of them a step.
-template <class T, int MR>
+template <class T, int MR, Epilogue E>
 void tile(const Args<T>& a, int64_t m0, int64_t panel, const char* pf, const char* pf_end,
-          int lines_per_step) {
+          int lines_per_step, float (*gate)[kNR]) {
   const T* b = a.packed + panel * a.Ks * kNR * depth<T>();
   const T* x = a.x + m0 * a.ldx;
   __m512 acc[MR][kVecs];
@@ -178,6 +228,13 @@ void tile(const Args<T>& a, int64_t m0, int64_t panel, const char* pf, const cha
   for (; s < a.Ks; ++s) {
     do_step<T, MR>(acc, x, a.ldx, b, s);
   }
+  if constexpr (E != Epilogue::kStore) {
+    alignas(64) float sums[MR][kNR];
+    for (int m = 0; m < MR; ++m)
+      for (int v = 0; v < kVecs; ++v) _mm512_store_ps(&sums[m][16 * v], acc[m][v]);
+    gated_epilogue(a, E, m0, MR, panel / 2 * kNR, sums, gate);
+    return;
+  }
   const int64_t n0 = panel * kNR;
   for (int v = 0; v < kVecs; ++v) {
     const int64_t n = n0 + 16 * v, left = a.N - n;
@@ -189,75 +246,95 @@ void tile(const Args<T>& a, int64_t m0, int64_t panel, const char* pf, const cha
   }
 }
 
-template <class T>
+template <class T, Epilogue E>
 void run_tile(const Args<T>& a, int64_t m0, int mr, int64_t panel, const char* pf,
-              const char* pf_end, int lines) {
+              const char* pf_end, int lines, float (*gate)[kNR]) {
   switch (mr) {
-    case 1: tile<T, 1>(a, m0, panel, pf, pf_end, lines); break;
-    case 2: tile<T, 2>(a, m0, panel, pf, pf_end, lines); break;
-    case 3: tile<T, 3>(a, m0, panel, pf, pf_end, lines); break;
-    case 4: tile<T, 4>(a, m0, panel, pf, pf_end, lines); break;
-    case 5: tile<T, 5>(a, m0, panel, pf, pf_end, lines); break;
-    case 6: tile<T, 6>(a, m0, panel, pf, pf_end, lines); break;
-    case 7: tile<T, 7>(a, m0, panel, pf, pf_end, lines); break;
-    default: tile<T, 8>(a, m0, panel, pf, pf_end, lines); break;
+    case 1: tile<T, 1, E>(a, m0, panel, pf, pf_end, lines, gate); break;
+    case 2: tile<T, 2, E>(a, m0, panel, pf, pf_end, lines, gate); break;
+    case 3: tile<T, 3, E>(a, m0, panel, pf, pf_end, lines, gate); break;
+    case 4: tile<T, 4, E>(a, m0, panel, pf, pf_end, lines, gate); break;
+    case 5: tile<T, 5, E>(a, m0, panel, pf, pf_end, lines, gate); break;
+    case 6: tile<T, 6, E>(a, m0, panel, pf, pf_end, lines, gate); break;
+    case 7: tile<T, 7, E>(a, m0, panel, pf, pf_end, lines, gate); break;
+    default: tile<T, 8, E>(a, m0, panel, pf, pf_end, lines, gate); break;
   }
 }
 
-// Panels [p0, p1) for every row of x.
+// Panel groups [q0, q1) (a panel, or a gated pair) for every row of x.
 template <class T>
-void run_panels_simd(const Args<T>& a, int64_t p0, int64_t p1) {
-  const int64_t panel_bytes = a.Ks * kStepBytes;
+void run_panels_simd(const Args<T>& a, int64_t q0, int64_t q1) {
+  const int G = group_panels(a.gated);
+  const int64_t group_bytes = G * a.Ks * kStepBytes;
   const char* base = reinterpret_cast<const char*>(a.packed);
+  alignas(64) float gate[kMR][kNR];
   for (int64_t mb = 0; mb < a.M; mb += kMBlock) {
     const int64_t rows = std::min(kMBlock, a.M - mb);
     const int64_t tiles = (rows + kMR - 1) / kMR;
-    // the next panel's 3 * Ks lines over tiles * Ks steps
+    // the next group's G * 3 * Ks lines over G * tiles calls of Ks steps
     const int lines = static_cast<int>(std::max<int64_t>(1, (kVecs + tiles - 1) / tiles));
-    const int64_t share = static_cast<int64_t>(lines) * a.Ks * kLine;  // bytes per tile
-    for (int64_t p = p0; p < p1; ++p) {
-      const char* next = base + (p + 1) * panel_bytes;
-      const char* next_end = p + 1 < p1 ? next + panel_bytes : next;  // none past the range
+    const int64_t share = static_cast<int64_t>(lines) * a.Ks * kLine;  // bytes per call
+    for (int64_t q = q0; q < q1; ++q) {
+      const char* next = base + (q + 1) * group_bytes;
+      const char* next_end = q + 1 < q1 ? next + group_bytes : next;  // none past the range
       for (int64_t t = 0; t < tiles; ++t) {
-        const char* pf = next + t * share;
-        run_tile<T>(a, mb + t * kMR, static_cast<int>(std::min<int64_t>(kMR, rows - t * kMR)),
-                    p, pf, std::min(next_end, pf + share), lines);
+        const int64_t m0 = mb + t * kMR;
+        const int mr = static_cast<int>(std::min<int64_t>(kMR, rows - t * kMR));
+        for (int g = 0; g < G; ++g) {
+          const char* pf = next + (t * G + g) * share;
+          const char* pf_end = std::min(next_end, pf + share);
+          if (!a.gated)
+            run_tile<T, Epilogue::kStore>(a, m0, mr, q, pf, pf_end, lines, gate);
+          else if (g == 0)
+            run_tile<T, Epilogue::kGate>(a, m0, mr, 2 * q, pf, pf_end, lines, gate);
+          else
+            run_tile<T, Epilogue::kSiluUp>(a, m0, mr, 2 * q + 1, pf, pf_end, lines, gate);
+        }
       }
     }
   }
 }
 #endif
 
-// Portable: the same packed layout, plain loops (tests and machines without AVX-512).
+// Portable: the same packed layout and epilogues, plain loops (tests and machines without
+// AVX-512).
 template <class T>
-void run_panels_portable(const Args<T>& a, int64_t p0, int64_t p1) {
+void run_panels_portable(const Args<T>& a, int64_t q0, int64_t q1) {
   constexpr int D = depth<T>();
-  for (int64_t p = p0; p < p1; ++p) {
-    const T* b = a.packed + p * a.Ks * kNR * D;
-    for (int64_t m = 0; m < a.M; ++m) {
-      float acc[kNR] = {};
-      const T* x = a.x + m * a.ldx;
-      for (int64_t s = 0; s < a.Ks; ++s)
-        for (int c = 0; c < kNR; ++c)
-          for (int d = 0; d < D; ++d)
-            acc[c] += to_f32(x[s * D + d]) * to_f32(b[(s * kNR + c) * D + d]);
-      for (int c = 0; c < kNR && p * kNR + c < a.N; ++c) {
-        const int64_t n = p * kNR + c;
-        store(acc[c] + (a.bias ? to_f32(a.bias[n]) : 0.0f), a.out + m * a.N + n);
+  const int G = group_panels(a.gated);
+  float sums[1][kNR], gate[1][kNR];
+  for (int64_t q = q0; q < q1; ++q)
+    for (int64_t m = 0; m < a.M; ++m)
+      for (int g = 0; g < G; ++g) {
+        const int64_t panel = q * G + g;
+        const T* b = a.packed + panel * a.Ks * kNR * D;
+        const T* x = a.x + m * a.ldx;
+        for (int c = 0; c < kNR; ++c) sums[0][c] = 0.0f;
+        for (int64_t s = 0; s < a.Ks; ++s)
+          for (int c = 0; c < kNR; ++c)
+            for (int d = 0; d < D; ++d)
+              sums[0][c] += to_f32(x[s * D + d]) * to_f32(b[(s * kNR + c) * D + d]);
+        if (a.gated) {
+          gated_epilogue(a, g == 0 ? Epilogue::kGate : Epilogue::kSiluUp, m, 1, q * kNR, sums,
+                         gate);
+          continue;
+        }
+        float bias[kNR];
+        bias_columns(a, q * kNR, Epilogue::kStore, bias);
+        for (int c = 0; c < kNR && q * kNR + c < a.N; ++c)
+          store(sums[0][c] + bias[c], a.out + m * a.N + q * kNR + c);
       }
-    }
-  }
 }
 
 template <class T>
-void run_panels(const Args<T>& a, int64_t p0, int64_t p1) {
+void run_panels(const Args<T>& a, int64_t q0, int64_t q1) {
 #ifdef PAGODA_GEMM_AVX512
-  if constexpr (sizeof(T) == 4) return run_panels_simd(a, p0, p1);
+  if constexpr (sizeof(T) == 4) return run_panels_simd(a, q0, q1);
 #endif
 #ifdef PAGODA_GEMM_BF16
-  if constexpr (sizeof(T) == 2) return run_panels_simd(a, p0, p1);
+  if constexpr (sizeof(T) == 2) return run_panels_simd(a, q0, q1);
 #endif
-  run_panels_portable(a, p0, p1);
+  run_panels_portable(a, q0, q1);
 }
 
 void check_cpu_float(const at::Tensor& t, const char* what) {
@@ -280,53 +357,82 @@ at::Tensor pack(const at::Tensor& weight) {
   return padded.view({P, kNR, Ks, D}).permute({0, 2, 1, 3}).contiguous().view({P, Ks, kNR * D});
 }
 
-at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n,
-                  const std::optional<at::Tensor>& bias_in) {
+// [2 I, K] gate_up -> the panels of gate rows [48 j, 48 j + 48) and of the same up rows
+// in turn (each zero-padded to 48 rows), packed as pack() does.
+at::Tensor pack_gated(const at::Tensor& weight) {
+  check_cpu_float(weight, "weight");
+  TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(0) % 2 == 0,
+                    "gate_up weight must be [2 * intermediate, K], got ", weight.sizes());
+  const int64_t I = weight.size(0) / 2, K = weight.size(1), Q = (I + kNR - 1) / kNR;
+  at::Tensor halves[2];  // gate, up: [Q * 48, K], zero past I
+  for (int64_t h = 0; h < 2; ++h) {
+    halves[h] = at::zeros({Q * kNR, K}, weight.options());
+    halves[h].narrow(0, 0, I).copy_(weight.narrow(0, h * I, I));
+  }
+  // [pair, gate/up, row, K]
+  const at::Tensor pairs = at::stack({halves[0].view({Q, kNR, K}), halves[1].view({Q, kNR, K})}, 1);
+  return pack(pairs.view({2 * Q * kNR, K}));
+}
+
+at::Tensor run_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n,
+                      const std::optional<at::Tensor>& bias_in, bool gated) {
   check_cpu_float(x_in, "x");
   check_cpu_float(packed, "packed");
   TORCH_CHECK_VALUE(x_in.scalar_type() == packed.scalar_type(), "x is ", x_in.scalar_type(),
                     " but the packed weight is ", packed.scalar_type());
   TORCH_CHECK_VALUE(x_in.dim() == 2, "x must be [M, K], got ", x_in.sizes());
   const int64_t M = x_in.size(0), K = x_in.size(1), D = depth_of(x_in);
-  const int64_t P = (n + kNR - 1) / kNR, Ks = (K + D - 1) / D;
+  const int64_t G = group_panels(gated), Q = (n + kNR - 1) / kNR, Ks = (K + D - 1) / D;
+  const int64_t bias_len = G * n;
   TORCH_CHECK_VALUE(n >= 0 && packed.dim() == 3 && packed.is_contiguous() &&
-                        packed.size(0) == P && packed.size(1) == Ks &&
+                        packed.size(0) == G * Q && packed.size(1) == Ks &&
                         packed.size(2) == kNR * D,
-                    "packed weight ", packed.sizes(), " is not pack() of a [", n, ", ", K,
-                    "] weight");
+                    "packed weight ", packed.sizes(), " is not ", gated ? "pack_gated" : "pack",
+                    "() of a [", bias_len, ", ", K, "] weight");
   at::Tensor bias;
   if (bias_in.has_value()) {
     TORCH_CHECK_VALUE(bias_in->scalar_type() == x_in.scalar_type() && bias_in->dim() == 1 &&
-                          bias_in->size(0) == n && bias_in->device().is_cpu(),
-                      "bias must be a CPU [", n, "] ", x_in.scalar_type(), " tensor, got ",
-                      bias_in->sizes(), " ", bias_in->scalar_type());
+                          bias_in->size(0) == bias_len && bias_in->device().is_cpu(),
+                      "bias must be a CPU [", bias_len, "] ", x_in.scalar_type(),
+                      " tensor, got ", bias_in->sizes(), " ", bias_in->scalar_type());
     bias = bias_in->contiguous();
   }
   at::Tensor out = at::empty({M, n}, x_in.options());
   if (M == 0 || n == 0) return out;
   // rows may be any distance apart; a row must be adjacent elements, padded to Ks * D
   at::Tensor x = x_in;
-  if (K == 0) return out.zero_().add_(bias.defined() ? bias : at::zeros({n}, out.options()));
-  if (x.stride(1) != 1 || K % D != 0) {
-    x = at::zeros({M, Ks * D}, x_in.options());
+  if (x.stride(1) != 1 || K % D != 0 || K == 0) {
+    x = at::zeros({M, std::max<int64_t>(Ks, 1) * D}, x_in.options());
     x.narrow(1, 0, K).copy_(x_in);
   }
   AT_DISPATCH_SWITCH(x.scalar_type(), "pagoda_cpu_gemm",
       AT_DISPATCH_CASE(at::kFloat, [&] {
         const Args<float> a{x.const_data_ptr<float>(), packed.const_data_ptr<float>(),
                             bias.defined() ? bias.const_data_ptr<float>() : nullptr,
-                            out.mutable_data_ptr<float>(), M, n, Ks, x.stride(0)};
-        at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) { run_panels(a, p0, p1); });
+                            out.mutable_data_ptr<float>(), M, n, Ks, x.stride(0), gated};
+        at::parallel_for(0, Q, 1, [&](int64_t q0, int64_t q1) { run_panels(a, q0, q1); });
       })
       AT_DISPATCH_CASE(at::kBFloat16, [&] {
         using U = uint16_t;
         const Args<U> a{static_cast<const U*>(x.const_data_ptr()),
                         static_cast<const U*>(packed.const_data_ptr()),
                         bias.defined() ? static_cast<const U*>(bias.const_data_ptr()) : nullptr,
-                        static_cast<U*>(out.mutable_data_ptr()), M, n, Ks, x.stride(0)};
-        at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) { run_panels(a, p0, p1); });
+                        static_cast<U*>(out.mutable_data_ptr()), M, n, Ks, x.stride(0), gated};
+        at::parallel_for(0, Q, 1, [&](int64_t q0, int64_t q1) { run_panels(a, q0, q1); });
       }));
   return out;
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                  const std::optional<at::Tensor>& bias) {
+  return run_linear(x, packed, n, bias, false);
+}
+
+// silu(x W_gate^T + b_gate) * (x W_up^T + b_up) for packed = pack_gated([W_gate; W_up]), n
+// the intermediate size, bias [2 n] or none: the rounding of linear() then silu_mul.
+at::Tensor linear_silu(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                       const std::optional<at::Tensor>& bias) {
+  return run_linear(x, packed, n, bias, true);
 }
 
 // Which dtypes run the vector kernels (else the portable loops): "float32", "bfloat16"
@@ -346,6 +452,8 @@ std::vector<std::string> simd_dtypes() {
 #define PAGODA_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
 PAGODA_LIBRARY(PAGODA_OP_NS, m) {
   m.def("pack(Tensor weight) -> Tensor", &pack);
+  m.def("pack_gated(Tensor weight) -> Tensor", &pack_gated);
   m.def("linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor", &linear);
+  m.def("linear_silu(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor", &linear_silu);
   m.def("simd_dtypes() -> str[]", &simd_dtypes);
 }

@@ -26,6 +26,10 @@ K = 1, M around the 8-row tile and over several 256-row blocks), K = 0, M = 0, N
 with and without bias; x rows a slice of a wider tensor, x transposed; results
 independent of the thread count; ``pack``'s layout element by element; ValueError for
 inputs the op does not take; a failed build reported once. NaN / inf are not checked.
+
+The gated pair (``pack_gated`` / ``linear_silu``, a SwiGLU MLP's gate_up and SiLU in one
+call) is held to the unfused path bit for bit: this build's ``linear`` over the whole
+gate_up weight, then ``cpu_fused.silu_mul``.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_gemm
+from kernels import cpu_fused, cpu_gemm
 from kernels.cpu_extension import LazyExtension
 
 if not cpu_gemm.available():
@@ -56,21 +60,27 @@ _WEIGHTS: dict[tuple[str, int, int, torch.dtype], tuple[torch.Tensor, torch.Tens
                                                         torch.Tensor]] = {}
 
 
+Linear = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor | None], torch.Tensor]
+
+
 @dataclass(frozen=True)
 class Build:
-    """One build of the op library: its pack and linear."""
+    """One build of the op library: its pack and linear, and the gated pair."""
     name: str
     pack: Callable[[torch.Tensor], torch.Tensor]
-    linear: Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor | None], torch.Tensor]
+    linear: Linear
+    pack_gated: Callable[[torch.Tensor], torch.Tensor]
+    linear_silu: Linear
 
 
-NATIVE = Build("native", cpu_gemm.pack, cpu_gemm.linear)
+NATIVE = Build("native", cpu_gemm.pack, cpu_gemm.linear, cpu_gemm.pack_gated,
+               cpu_gemm.linear_silu)
 
 
 def _portable() -> Build:
     cpu_gemm.build_library(PORTABLE_NAMESPACE, defines=("PAGODA_PORTABLE",))
     ops = getattr(torch.ops, PORTABLE_NAMESPACE)
-    return Build("portable", ops.pack, ops.linear)
+    return Build("portable", ops.pack, ops.linear, ops.pack_gated, ops.linear_silu)
 
 
 @pytest.fixture(
@@ -273,6 +283,53 @@ def test_simd_dtypes_follow_the_cpu() -> None:
 def test_portable_build_is_portable() -> None:
     _portable()
     assert list(getattr(torch.ops, PORTABLE_NAMESPACE).simd_dtypes()) == []
+
+
+GATED_SHAPES = [  # (M, I, K): SmolLM2's MLP, tails of I and K, several row blocks, K = 0
+    (1, 1536, 576), (9, 1536, 576), (64, 1536, 576), (300, 100, 64), (3, 50, 37),
+    (17, 1, 7), (2, 47, 1), (5, 49, 0),
+]
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("m,i,k", GATED_SHAPES)
+def test_linear_silu_is_silu_mul_of_the_linear(gemm: Build, dtype: torch.dtype, m: int, i: int,
+                                               k: int, with_bias: bool) -> None:
+    """The oracle is the unfused path the MLP takes otherwise: this build's linear over the
+    whole gate_up weight, then cpu_fused.silu_mul (itself tested against F.silu(gate) *
+    up): bit-equal, as the kernels share the rounding and the SiLU code."""
+    if not cpu_fused.available():
+        pytest.skip("the cpu_fused extension did not build")
+    g = torch.Generator().manual_seed(m * 1000 + i + k)
+    w = (torch.randn(2 * i, k, generator=g) * 0.1).to(dtype)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    bias = torch.randn(2 * i, generator=g).to(dtype) if with_bias else None
+    want = cpu_fused.silu_mul(gemm.linear(x, gemm.pack(w), 2 * i, bias))
+    got = gemm.linear_silu(x, gemm.pack_gated(w), i, bias)
+    assert got.shape == (m, i) and got.dtype == dtype
+    assert torch.equal(got, want)
+
+
+def test_pack_gated_layout() -> None:
+    """Panel 2j holds gate rows [48 j, 48 j + 48) and panel 2j + 1 the same up rows,
+    each zero past I: pack() of that row order."""
+    w = torch.randn(2 * 50, 6)
+    gate = torch.zeros(96, 6)
+    up = torch.zeros(96, 6)
+    gate[:50], up[:50] = w[:50], w[50:]
+    rows = torch.stack([gate.view(2, PANEL, 6), up.view(2, PANEL, 6)], 1).reshape(4 * PANEL, 6)
+    assert torch.equal(cpu_gemm.pack_gated(w), cpu_gemm.pack(rows))
+
+
+def test_linear_silu_bad_inputs_raise_value_error() -> None:
+    w, x = torch.randn(2 * 50, 64).bfloat16(), _x(2, 64, torch.bfloat16)
+    gated = cpu_gemm.pack_gated(w)
+    with pytest.raises(ValueError):  # a plain pack of the same weight: twice the panels
+        cpu_gemm.linear_silu(x, cpu_gemm.pack(w[:50]), 50, None)
+    with pytest.raises(ValueError):  # the bias of one half only
+        cpu_gemm.linear_silu(x, gated, 50, torch.randn(50).bfloat16())
+    with pytest.raises(ValueError):  # an odd number of rows has no gate/up halves
+        cpu_gemm.pack_gated(torch.randn(7, 4))
 
 
 BadCase = tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None]

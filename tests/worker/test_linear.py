@@ -2,7 +2,8 @@
 
 Where ``kernels.cpu_gemm`` has the vector path for the dtype, every row count runs it;
 elsewhere (and with ``kernel="onednn"``) bf16 at up to GEMV_MAX_ROWS rows streams the
-plain weight through ``kernels.cpu_gemv`` and the rest uses oneDNN's packed weight."""
+plain weight through ``kernels.cpu_gemv`` and the rest uses oneDNN's packed weight.
+A SwiGLU MLP's gate_up is packed for ``cpu_gemm.linear_silu`` where cpu_gemm runs it."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_gemm, cpu_gemv
-from services.worker.layers.linear import GEMV_MAX_ROWS, linear, pack_weight
+from kernels import cpu_fused, cpu_gemm, cpu_gemv
+from services.worker.layers.linear import GEMV_MAX_ROWS, linear, pack_cpu_linears, pack_weight
 
 onednn = pytest.mark.skipif(pack_weight(torch.ones(8, 8), "onednn") is None,
                             reason="oneDNN weight packing unavailable")
@@ -87,3 +88,51 @@ def test_weights_off_the_cpu_or_in_other_dtypes_are_not_packed() -> None:
 def test_without_a_packed_weight_it_is_f_linear() -> None:
     x, w, b, _ = _case(torch.bfloat16, 2, True)
     assert torch.equal(linear(x, w, b, None), F.linear(x, w, b))
+
+
+def _mlp(hidden_act: str, mlp_bias: bool, dtype: torch.dtype):  # type: ignore[no-untyped-def]
+    from services.worker.model_config import ModelConfig
+    from services.worker.models.llama import LlamaMLP
+
+    config = ModelConfig(
+        architecture="LlamaForCausalLM", vocab_size=32, hidden_size=64, intermediate_size=100,
+        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+        rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None, max_position_embeddings=64,
+        tie_word_embeddings=False, qkv_bias=False, o_proj_bias=False, mlp_bias=mlp_bias,
+        eos_token_ids=(0,), bos_token_id=None, hidden_act=hidden_act)
+    mlp = LlamaMLP(config)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return mlp.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("mlp_bias", [False, True])
+def test_swiglu_mlp_packs_gate_up_for_linear_silu(dtype: torch.dtype, mlp_bias: bool) -> None:
+    """Where cpu_gemm has the vector path, a SwiGLU MLP's gate_up is packed for the fused
+    linear_silu, and the MLP's output is bit-equal to the unfused packed path (the linear,
+    then cpu_fused.silu_mul) and close to fp32 torch."""
+    if dtype not in cpu_gemm.simd_dtypes():
+        pytest.skip(f"cpu_gemm has no vector path for {dtype} on this CPU")
+    mlp = _mlp("silu", mlp_bias, dtype)
+    x = torch.randn(13, 64, generator=torch.Generator().manual_seed(4)).to(dtype)
+    plain = mlp(x)  # not packed: F.linear and silu_mul
+    assert pack_cpu_linears(mlp) == 2
+    assert mlp.gate_up_weight_packed.silu_gated and not mlp.down_weight_packed.silu_gated
+    got = mlp(x)
+    unfused = pack_weight(mlp.gate_up_weight)  # the same kernel, not gated
+    gate_up = linear(x, mlp.gate_up_weight, mlp.gate_up_bias, unfused)
+    want = linear(cpu_fused.silu_mul(gate_up), mlp.down_weight, mlp.down_bias,
+                  mlp.down_weight_packed)
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got.float(), plain.float(), rtol=2e-2, atol=2e-2)
+    with pytest.raises(ValueError, match="linear_silu"):  # not a plain linear's weight
+        linear(x, mlp.gate_up_weight, None, mlp.gate_up_weight_packed)
+
+
+def test_geglu_mlp_gate_up_is_packed_plain() -> None:
+    mlp = _mlp("gelu_pytorch_tanh", False, torch.float32)
+    pack_cpu_linears(mlp)
+    assert mlp.gate_up_weight_packed is None or not mlp.gate_up_weight_packed.silu_gated

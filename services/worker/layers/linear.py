@@ -37,17 +37,22 @@ GEMV_MAX_ROWS = 8
 
 @dataclass(frozen=True, slots=True)
 class PackedWeight:
-    """A CPU weight packed for one kernel: ``cpu_gemm`` (``gemm`` true) or oneDNN."""
+    """A CPU weight packed for one kernel: ``cpu_gemm`` (``gemm`` true) or oneDNN. A
+    ``silu_gated`` one is a SwiGLU gate_up weight packed for ``cpu_gemm.linear_silu``
+    (``out_features`` is then the intermediate size): ``linear_silu`` is its call."""
 
     data: torch.Tensor
     out_features: int
     gemm: bool
+    silu_gated: bool = False
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: PackedWeight | None) -> torch.Tensor:
     if packed is None:
         return F.linear(x, weight, bias)
+    if packed.silu_gated:
+        raise ValueError("a silu-gated packed weight runs through linear_silu")
     if packed.gemm:
         return cpu_gemm.linear(x, packed.data, packed.out_features, bias)
     if (x.shape[0] <= GEMV_MAX_ROWS and x.dtype == torch.bfloat16
@@ -56,16 +61,30 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return torch.ops.mkldnn._linear_pointwise(x, packed.data, bias, "none", [], "")
 
 
+def linear_silu(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """``silu(gate) * up`` of a SwiGLU gate_up projection in one call (a ``silu_gated``
+    packed weight; bias [2 I] or None), rounded as the linear then ``cpu_fused.silu_mul``."""
+    return cpu_gemm.linear_silu(x, packed.data, packed.out_features, bias)
+
+
+def _silu_gated_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    gate, up = F.linear(x.float(), weight.float()).chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def _onednn_available() -> bool:
     return (torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
-def pack_weight(weight: torch.Tensor, kernel: str = "auto") -> PackedWeight | None:
+def pack_weight(weight: torch.Tensor, kernel: str = "auto",
+                silu_gated: bool = False) -> PackedWeight | None:
     """The packed copy of a [out, in] CPU weight, or None where packing does not apply or
     does not reproduce F.linear on a probe (then the plain path is used). ``kernel``:
     ``auto`` (cpu_gemm where it has the vector path for the dtype, else oneDNN),
-    ``cpu_gemm`` or ``onednn`` (benchmarks compare them)."""
+    ``cpu_gemm`` or ``onednn`` (benchmarks compare them). ``silu_gated``: a SwiGLU
+    gate_up weight, packed for ``linear_silu`` where the kernel is cpu_gemm (else as a
+    plain linear: check ``PackedWeight.silu_gated``)."""
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return None
     gemm = kernel == "cpu_gemm" or (kernel == "auto" and weight.dtype in cpu_gemm.simd_dtypes())
@@ -73,15 +92,20 @@ def pack_weight(weight: torch.Tensor, kernel: str = "auto") -> PackedWeight | No
         return None
     if not gemm and not _onednn_available():
         return None
+    gated = gemm and silu_gated
+    probe = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0))
+    probe = probe.to(weight.dtype)
     try:
-        if gemm:
-            data = cpu_gemm.pack(weight)
+        if gated:
+            packed = PackedWeight(cpu_gemm.pack_gated(weight), weight.shape[0] // 2, True, True)
+            got = linear_silu(probe, packed, None).float()
+            want = _silu_gated_reference(probe, weight)
         else:
-            data = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_BATCH_HINT)
-        packed = PackedWeight(data, weight.shape[0], gemm)
-        probe = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0))
-        got = linear(probe.to(weight.dtype), weight, None, packed).float()
-        want = F.linear(probe.to(weight.dtype).float(), weight.float())
+            data = (cpu_gemm.pack(weight) if gemm else
+                    torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_BATCH_HINT))
+            packed = PackedWeight(data, weight.shape[0], gemm)
+            got = linear(probe, weight, None, packed).float()
+            want = F.linear(probe.float(), weight.float())
     except RuntimeError as e:
         log.warning("%s weight packing unavailable (%s); using F.linear",
                     "cpu_gemm" if gemm else "oneDNN", e)
@@ -95,11 +119,13 @@ def pack_weight(weight: torch.Tensor, kernel: str = "auto") -> PackedWeight | No
 
 
 def pack_cpu_linears(model: nn.Module, kernel: str = "auto") -> int:
-    """Pack every weight named in a module's ``PACKED_WEIGHTS``; returns how many."""
+    """Pack every weight named in a module's ``PACKED_WEIGHTS`` (those also in its
+    ``silu_gated_weights`` for ``linear_silu`` where the kernel allows); returns how many."""
     count = 0
     for module in model.modules():
+        gated = getattr(module, "silu_gated_weights", ())
         for name in getattr(module, "PACKED_WEIGHTS", ()):
-            packed = pack_weight(getattr(module, name), kernel)
+            packed = pack_weight(getattr(module, name), kernel, name in gated)
             setattr(module, f"{name}_packed", packed)
             count += packed is not None
     return count

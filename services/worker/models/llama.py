@@ -29,7 +29,7 @@ from kernels import cpu_fused
 from services.worker.attention.base import AttentionBackend, AttentionMetadata
 from services.worker.layers.embedding import VocabEmbedding
 from services.worker.layers.fused_path import use_triton
-from services.worker.layers.linear import PackedWeight, linear
+from services.worker.layers.linear import PackedWeight, linear, linear_silu
 from services.worker.layers.norm import RMSNorm
 from services.worker.layers.rotary import RopePlan, RotaryEmbedding
 from services.worker.model_config import ModelConfig
@@ -109,6 +109,8 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.fused = fused  # Triton on CUDA, kernels.cpu_fused.silu_mul where it applies
         self.gelu = config.hidden_act == "gelu_pytorch_tanh"  # GeGLU (Gemma), else SwiGLU
+        # a CPU SwiGLU may pack gate_up for linear_silu (layers/linear.py)
+        self.silu_gated_weights = () if self.gelu or not fused else ("gate_up_weight",)
         self.gate_up_weight_packed: PackedWeight | None = None
         self.down_weight_packed: PackedWeight | None = None
         self.tp = tp
@@ -119,7 +121,12 @@ class LlamaMLP(nn.Module):
         self.down_bias = _weight(config.hidden_size) if config.mlp_bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = linear(x, self.gate_up_weight, self.gate_up_bias, self.gate_up_weight_packed)
+        packed = self.gate_up_weight_packed
+        if packed is not None and packed.silu_gated:  # one C++ call, silu_mul's rounding
+            act = linear_silu(x, packed, self.gate_up_bias)
+            return _row_parallel(act, self.down_weight, self.down_bias,
+                                 self.down_weight_packed, self.tp)
+        gate_up = linear(x, self.gate_up_weight, self.gate_up_bias, packed)
         if use_triton(self.fused, gate_up.device, gate_up.dtype):
             from kernels import fused_activation  # at first use: see layers/fused_path.py
 
