@@ -57,6 +57,22 @@ def test_auto_without_the_vector_path_is_onednn(dtype: torch.dtype,
 
 
 @onednn
+def test_auto_keeps_onednn_for_bf16_on_an_amx_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    # oneDNN runs bf16 on the AMX tiles; fp32 (no AMX path) still takes cpu_gemm
+    real = torch.cpu.get_capabilities()
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {**real, "amx_bf16": True})
+    x, w, b, packed = _case(torch.bfloat16, 16, True)
+    assert packed is not None and not packed.gemm
+    _close_to_fp32(linear(x, w, b, packed), x, w, b)
+    if torch.float32 in cpu_gemm.simd_dtypes():
+        _, _, _, packed32 = _case(torch.float32, 16, True)
+        assert packed32 is not None and packed32.gemm
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {**real, "amx_bf16": False})
+    if torch.bfloat16 in cpu_gemm.simd_dtypes():
+        assert pack_weight(w).gemm  # type: ignore[union-attr]
+
+
+@onednn
 @pytest.mark.skipif(not cpu_gemv.available(), reason="the cpu_gemv extension did not build")
 @pytest.mark.parametrize("rows", [1, 3, GEMV_MAX_ROWS])
 @pytest.mark.parametrize("bias", [False, True])

@@ -4,7 +4,8 @@ A CPU step is mostly its linears, so each CPU weight is packed once, at load
 (``pack_cpu_linears``), for the fastest kernel this machine has for its dtype:
 
 - ``kernels.cpu_gemm`` where the CPU has the vector path for the dtype (AVX-512 for
-  fp32, AVX512-BF16 for bf16): at a decode step's 16-64 rows it runs SmolLM2's linears
+  fp32, AVX512-BF16 for bf16; not bf16 on a CPU with AMX, below): at a decode step's
+  16-64 rows it runs SmolLM2's linears
   1.3-1.6x faster than oneDNN in bf16 and 1.25-1.37x in fp32, at 1-8 rows at least as
   fast as ``kernels.cpu_gemv``, and within noise of oneDNN at prefill sizes
   (``python -m kernels.bench_linear``);
@@ -12,6 +13,11 @@ A CPU step is mostly its linears, so each CPU weight is packed once, at load
   ``F.linear`` on plain fp32 weights), and in bf16 at up to ``GEMV_MAX_ROWS`` rows
   ``kernels.cpu_gemv`` on the plain weight, which reads it faster than oneDNN's bf16
   path there.
+
+On a CPU with AMX-BF16 (Sapphire Rapids and later) oneDNN multiplies bf16 on the AMX
+tiles, which cpu_gemm's ``vdpbf16ps`` does not use: there bf16 keeps oneDNN (and
+cpu_gemv at few rows), the combination that measured level with vLLM's AMX engine;
+fp32 (no AMX path in oneDNN) still takes cpu_gemm.
 
 The plain weight stays (the loader, tests and other devices use it); ``linear`` uses
 the packed copy when there is one and ``F.linear`` otherwise.
@@ -72,6 +78,24 @@ def _silu_gated_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
     return F.silu(gate) * up
 
 
+def cpu_has_amx_bf16() -> bool:
+    try:
+        caps = torch.cpu.get_capabilities()
+    except (AttributeError, RuntimeError):
+        return False
+    return bool(caps.get("amx_bf16"))
+
+
+def auto_kernel(dtype: torch.dtype) -> str:
+    """The packing ``kernel="auto"`` picks for a CPU weight of ``dtype``: ``cpu_gemm``
+    where it has the vector path, except bf16 on an AMX CPU; else ``onednn``."""
+    if dtype not in cpu_gemm.simd_dtypes():
+        return "onednn"
+    if dtype == torch.bfloat16 and cpu_has_amx_bf16():
+        return "onednn"
+    return "cpu_gemm"
+
+
 def _onednn_available() -> bool:
     return (torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
@@ -81,13 +105,13 @@ def pack_weight(weight: torch.Tensor, kernel: str = "auto",
                 silu_gated: bool = False) -> PackedWeight | None:
     """The packed copy of a [out, in] CPU weight, or None where packing does not apply or
     does not reproduce F.linear on a probe (then the plain path is used). ``kernel``:
-    ``auto`` (cpu_gemm where it has the vector path for the dtype, else oneDNN),
+    ``auto`` (``auto_kernel``: cpu_gemm where it has the vector path, but for bf16 on AMX),
     ``cpu_gemm`` or ``onednn`` (benchmarks compare them). ``silu_gated``: a SwiGLU
     gate_up weight, packed for ``linear_silu`` where the kernel is cpu_gemm (else as a
     plain linear: check ``PackedWeight.silu_gated``)."""
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return None
-    gemm = kernel == "cpu_gemm" or (kernel == "auto" and weight.dtype in cpu_gemm.simd_dtypes())
+    gemm = (auto_kernel(weight.dtype) if kernel == "auto" else kernel) == "cpu_gemm"
     if gemm and not cpu_gemm.available():
         return None
     if not gemm and not _onednn_available():
