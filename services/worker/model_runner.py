@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from services.worker.attention.base import AttentionBackend, AttentionMetadata
+from services.worker.cpu_memory import huge_page_zeros
 from services.worker.cuda_graphs import DecodeGraphs, needs_rope_plan
 from services.worker.grammar_bitmask import GrammarBitmask
 from services.worker.models.llama import KVCache, LlamaForCausalLM
@@ -94,6 +95,9 @@ def allocate_kv_caches(
 ) -> list[KVCache]:
     cfg = model.config
     shape = (num_blocks, block_size, model.shard.num_kv_heads, cfg.head_dim)
+    if torch.device(device).type == "cpu":  # one pool on huge pages: see cpu_memory.py
+        pool = huge_page_zeros((cfg.num_hidden_layers, 2, *shape), dtype)
+        return [(pool[layer, 0], pool[layer, 1]) for layer in range(cfg.num_hidden_layers)]
     return [
         (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
         for _ in range(cfg.num_hidden_layers)
