@@ -40,10 +40,11 @@ struct BlockView {
   int64_t next_delta;
 };
 
-// The twin in the next block of the 64 elements at `row`, into L1 (prefetcht0). Into L2
-// (prefetcht1) as prefetch_block does, a batch-32 step over randomly placed blocks read
-// K/V 8-19 % slower (fp32-bf16; one A/B process, huge-page pool); over adjacent blocks
-// and from cache the two measured alike.
+// The twin in the next block of the 64 elements at `row`, into L1 (prefetcht0). On the
+// KV pool's huge pages (services/worker/cpu_memory.py), into L2 (prefetcht1) as
+// prefetch_block does, a batch-32 step over randomly placed blocks read K/V 8-19 %
+// slower (fp32-bf16, one A/B process); over adjacent blocks, from cache, or on small
+// pages the two measured alike.
 template <typename T>
 inline void prefetch_twin(const T* row, int64_t next_delta) {
   if (next_delta == 0) return;
