@@ -16,10 +16,10 @@ Numerics: each output is an fp32 sum of exact products plus the bias in fp32, ro
 once to the dtype (bf16: nearest even; vdpbf16ps flushes denormals); only the summation
 order differs from ``F.linear`` on fp32 copies. ``linear_silu`` rounds the gate and up
 sums as ``linear`` stores them and then applies ``cpu_fused.silu_mul``'s arithmetic (the
-shared ``csrc/cpu_silu.h``): bit-equal to ``silu_mul(linear(x, pack(W), 2 I, b))``. The op checks its inputs (ValueError).
-``available()`` reports whether it built; ``simd_dtypes()`` which dtypes run the vector
-kernels (AVX-512 for fp32, AVX512-BF16 for bf16): elsewhere the op runs portable loops
-(tests only), and callers keep oneDNN.
+shared ``csrc/cpu_silu.h``): bit-equal to ``silu_mul(linear(x, pack(W), 2 I, b))``.
+The op checks its inputs (ValueError). ``available()`` reports whether it built;
+``simd_dtypes()`` which dtypes run the vector kernels (AVX-512 for fp32, AVX512-BF16 for
+bf16): elsewhere the op runs portable loops (tests only), and callers keep oneDNN.
 """
 
 from __future__ import annotations

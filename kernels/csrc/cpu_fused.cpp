@@ -45,8 +45,6 @@ inline int64_t grain_rows(int64_t row_elems) {
 }
 
 
-
-
 template <typename Fn>
 void dispatch_dtype(const at::Tensor& t, const char* what, Fn&& fn) {
   if (t.scalar_type() == at::kFloat) fn(float{});

@@ -2,7 +2,8 @@
 // bf16 (AVX512-BF16 vdpbf16ps, fp32 accumulators) or fp32 (AVX-512 FMA).
 //
 // Built at runtime by kernels/cpu_gemm.py (load_inline, -O3 -march=native, torch's
-// OpenMP pool) and registered as torch.ops.<PAGODA_OP_NS>.{pack, linear}. Why not
+// OpenMP pool) and registered as torch.ops.<PAGODA_OP_NS>.{pack, linear, pack_gated,
+// linear_silu, simd_dtypes}. Why not
 // oneDNN: at the row counts of a decode step (16-128 rows) its packed linear runs
 // SmolLM2's shapes at 44-71 % of the machine's bf16 peak (kernels/bench_linear.py). With so
 // few rows a linear sits near the balance of weight reads and FMAs, so it needs both at
@@ -32,7 +33,8 @@
 // Without AVX-512 (AVX2-only machines, or with PAGODA_PORTABLE, which tests use to build
 // the fallback anywhere) plain loops over the same packed layout run instead:
 // correct, slow, and the caller (services/worker/layers/linear.py) then keeps oneDNN
-// (uses_simd() says which path was built). Inputs are checked here (ValueError).
+// (simd_dtypes() says which dtypes have the vector path). Inputs are checked here
+// (ValueError).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
@@ -183,23 +185,18 @@ __attribute__((always_inline)) inline void do_step(__m512 (&acc)[MR][kVecs], con
 inline __m512 load_bias(const float* bias, int64_t n, __mmask16 mask) {
   return _mm512_maskz_loadu_ps(mask, bias + n);
 }
+inline void store_vec(float* out, __m512 v, __mmask16 mask) {
+  _mm512_mask_storeu_ps(out, mask, v);
+}
+#ifdef PAGODA_GEMM_BF16  // bf16 tiles are built only with the bf16 vector path
 inline __m512 load_bias(const uint16_t* bias, int64_t n, __mmask16 mask) {
   const __m256i h = _mm256_maskz_loadu_epi16(mask, bias + n);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
-inline void store_vec(float* out, __m512 v, __mmask16 mask) {
-  _mm512_mask_storeu_ps(out, mask, v);
-}
 inline void store_vec(uint16_t* out, __m512 v, __mmask16 mask) {
-#ifdef PAGODA_GEMM_BF16
   _mm256_mask_storeu_epi16(out, mask, (__m256i)_mm512_cvtneps_pbh(v));
-#else
-  alignas(64) float t[16];
-  _mm512_store_ps(t, v);
-  for (int i = 0; i < 16; ++i)
-    if (mask >> i & 1) out[i] = bf16_bits(t[i]);
-#endif
 }
+#endif
 
 // Rows [m0, m0 + MR) x the 48 columns of one panel, over all Ks steps; prefetches the
 // lines [pf, pf_end) of the next panel, lines_per_step of them a step.
@@ -405,21 +402,16 @@ at::Tensor run_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t 
     x = at::zeros({M, std::max<int64_t>(Ks, 1) * D}, x_in.options());
     x.narrow(1, 0, K).copy_(x_in);
   }
-  AT_DISPATCH_SWITCH(x.scalar_type(), "pagoda_cpu_gemm",
-      AT_DISPATCH_CASE(at::kFloat, [&] {
-        const Args<float> a{x.const_data_ptr<float>(), packed.const_data_ptr<float>(),
-                            bias.defined() ? bias.const_data_ptr<float>() : nullptr,
-                            out.mutable_data_ptr<float>(), M, n, Ks, x.stride(0), gated};
-        at::parallel_for(0, Q, 1, [&](int64_t q0, int64_t q1) { run_panels(a, q0, q1); });
-      })
-      AT_DISPATCH_CASE(at::kBFloat16, [&] {
-        using U = uint16_t;
-        const Args<U> a{static_cast<const U*>(x.const_data_ptr()),
-                        static_cast<const U*>(packed.const_data_ptr()),
-                        bias.defined() ? static_cast<const U*>(bias.const_data_ptr()) : nullptr,
-                        static_cast<U*>(out.mutable_data_ptr()), M, n, Ks, x.stride(0), gated};
-        at::parallel_for(0, Q, 1, [&](int64_t q0, int64_t q1) { run_panels(a, q0, q1); });
-      }));
+  auto run = [&](auto element) {  // float, or uint16_t for bf16 bits (checked above)
+    using T = decltype(element);
+    const Args<T> a{static_cast<const T*>(x.const_data_ptr()),
+                    static_cast<const T*>(packed.const_data_ptr()),
+                    bias.defined() ? static_cast<const T*>(bias.const_data_ptr()) : nullptr,
+                    static_cast<T*>(out.mutable_data_ptr()), M, n, Ks, x.stride(0), gated};
+    at::parallel_for(0, Q, 1, [&](int64_t q0, int64_t q1) { run_panels(a, q0, q1); });
+  };
+  if (x.scalar_type() == at::kFloat) run(float{});
+  else run(uint16_t{});
   return out;
 }
 

@@ -21,13 +21,13 @@ inline uint16_t bf16_bits(float x) {  // round to nearest even, NaN -> 0x7FC0, a
   return (u & 0x7FFFFFFFu) > 0x7F800000u ? uint16_t{0x7FC0} : static_cast<uint16_t>(r);
 }
 inline void store(float x, float* dst) { *dst = x; }
+inline void store(float x, uint16_t* dst) { *dst = bf16_bits(x); }
 // x as torch holds it in a tensor of element type T (float, or bf16 bits), read back as fp32.
 template <typename T>
 inline float rounded(float x) {
   if constexpr (sizeof(T) == 4) return x;
   else return to_f32(bf16_bits(x));
 }
-inline void store(float x, uint16_t* dst) { *dst = bf16_bits(x); }
 
 // exp(x), Cephes expf (~1 ulp; torch's Sleef expf_u10 is also ~1 ulp): vectorises
 // without -ffast-math, unlike std::exp. Overflow to inf and underflow to 0 as expf.
