@@ -6,7 +6,7 @@ bf16: the kernel sums the same exact bf16 products in fp32 (in another order) an
 once, so every output must be within 1e-2 relative of the oracle (a bf16 ulp is
 2^-8..2^-7 relative), plus a few fp32 ulps of the sum of |products| for outputs that
 cancel to near zero; and at least 99 % of the outputs (all but one of a small output)
-must be bit-equal to it (``_ulps`` == 0): the two fp32 sums differ by a few fp32 ulps,
+must be bit-equal to it (``bf16_ulps`` == 0): the two fp32 sums differ by a few fp32 ulps,
 which changes the bf16 rounding only within that distance of a tie (~1e-4 of random
 outputs), while an error of half a bf16 ulp would change about half of them.
 
@@ -41,10 +41,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from kernels import cpu_fused, cpu_gemm
 from kernels.cpu_extension import LazyExtension
+from tests.support.linear_oracle import assert_linear_matches
 
 if not cpu_gemm.available():
     pytest.skip("the cpu_gemm extension did not build", allow_module_level=True)
@@ -128,38 +128,6 @@ def _x(m: int, k: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
     return torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
-def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """bf16 ulps between a and b (finite values; +0 and -0 are the same)."""
-    def ordered(t: torch.Tensor) -> torch.Tensor:
-        i = t.view(torch.int16).to(torch.int32)
-        return torch.where(i < 0, -(i & 0x7FFF), i)
-    return (ordered(a) - ordered(b)).abs()
-
-
-def assert_matches(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
-                   bias: torch.Tensor | None, what: str) -> None:
-    ref = F.linear(x.float(), w.float(), None if bias is None else bias.float())
-    assert got.dtype == x.dtype and got.shape == ref.shape, f"{what}: {got.dtype} {got.shape}"
-    assert got.is_contiguous(), f"{what}: strides {got.stride()}"
-    magnitude = F.linear(x.float().abs(), w.float().abs())  # sum of |products|
-    if bias is not None:
-        magnitude = magnitude + bias.float().abs()
-    if x.dtype == torch.float32:
-        tol = (x.shape[1] + 1) * torch.finfo(torch.float32).eps * magnitude
-        diff = (got - ref).abs()
-        too_far = diff > tol
-        assert not too_far.any(), (
-            f"{what}: {int(too_far.sum())} outputs off, max {float(diff.max()):.3g} "
-            f"(bound there {float(tol.flatten()[int(diff.argmax())]):.3g})")
-        return
-    diff = (got.float() - ref.bfloat16().float()).abs()
-    too_far = diff > 1e-2 * ref.abs() + 1e-5 * magnitude
-    assert not too_far.any(), (
-        f"{what}: {int(too_far.sum())} outputs off, max {float(diff.max()):.3g}")
-    unequal = int((_ulps(got, ref.bfloat16()) != 0).sum())
-    assert unequal <= max(1, got.numel() // 100), f"{what}: {unequal} of {got.numel()} differ"
-
-
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("n,k", MODEL_SHAPES)
 def test_model_shapes(gemm: Build, dtype: torch.dtype, n: int, k: int,
@@ -168,7 +136,7 @@ def test_model_shapes(gemm: Build, dtype: torch.dtype, n: int, k: int,
     bias = b if with_bias else None
     for m in LM_HEAD_ROWS if n == 49152 else MODEL_ROWS:
         x = _x(m, k, dtype, seed=m)
-        assert_matches(gemm.linear(x, packed, n, bias), x, w, bias,
+        assert_linear_matches(gemm.linear(x, packed, n, bias), x, w, bias,
                        f"[{n} x {k}] M={m} bias={with_bias}")
 
 
@@ -189,7 +157,7 @@ def test_odd_shapes(gemm: Build, dtype: torch.dtype, m: int, n: int, k: int,
     x = torch.randn(m, k, generator=gen).to(dtype)
     w = torch.randn(n, k, generator=gen).to(dtype)
     bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
-    assert_matches(gemm.linear(x, gemm.pack(w), n, bias), x, w, bias,
+    assert_linear_matches(gemm.linear(x, gemm.pack(w), n, bias), x, w, bias,
                    f"M={m} N={n} K={k} bias={with_bias}")
 
 
@@ -211,16 +179,16 @@ def test_strided_x(gemm: Build, dtype: torch.dtype) -> None:
     wide = _x(4, 700, dtype)
     x = wide[:, 50:626]  # rows 700 apart, as a slice of a fused projection
     assert x.stride() == (700, 1)
-    assert_matches(gemm.linear(x, packed, 576, b), x, w, b, "row stride 700")
+    assert_linear_matches(gemm.linear(x, packed, 576, b), x, w, b, "row stride 700")
     x = wide[:, 1:577]  # an odd start: the bf16 pairs are not 4-byte aligned
-    assert_matches(gemm.linear(x, packed, 576, b), x, w, b, "row stride 700, offset 1")
+    assert_linear_matches(gemm.linear(x, packed, 576, b), x, w, b, "row stride 700, offset 1")
     x = _x(1, 576, dtype).expand(3, 576)  # row stride 0: the same row three times
-    assert_matches(gemm.linear(x, packed, 576, b), x, w, b, "row stride 0")
+    assert_linear_matches(gemm.linear(x, packed, 576, b), x, w, b, "row stride 0")
     xt = _x(576, 3, dtype).t()  # stride (1, 3): copied first
-    assert_matches(gemm.linear(xt, packed, 576, b), xt, w, b, "transposed x")
+    assert_linear_matches(gemm.linear(xt, packed, 576, b), xt, w, b, "transposed x")
     w_odd = torch.randn(100, 33).to(dtype)
     xt = _x(33, 9, dtype).t()  # transposed with an odd K
-    assert_matches(gemm.linear(xt, gemm.pack(w_odd), 100, None), xt, w_odd, None,
+    assert_linear_matches(gemm.linear(xt, gemm.pack(w_odd), 100, None), xt, w_odd, None,
                    "transposed x, K = 33")
 
 
@@ -230,7 +198,7 @@ def test_strided_weight_and_bias(gemm: Build, dtype: torch.dtype) -> None:
     assert torch.equal(gemm.pack(wt), gemm.pack(wt.contiguous()))
     b = torch.randn(200).to(dtype)[::2]  # a strided bias
     x = _x(5, 64, dtype)
-    assert_matches(gemm.linear(x, gemm.pack(w[::2]), 100, b), x, w[::2], b, "strided bias")
+    assert_linear_matches(gemm.linear(x, gemm.pack(w[::2]), 100, b), x, w[::2], b, "strided bias")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

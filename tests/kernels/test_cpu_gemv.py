@@ -4,7 +4,7 @@ Oracle: ``F.linear(x.float(), W.float(), b.float()).bfloat16()``, the same exact
 products summed in fp32 (in another order) and rounded once. So every output must be
 within 1e-2 relative of it (a bf16 ulp is 2^-8..2^-7 relative), plus a few fp32 ulps of
 the sum of |products| for outputs that cancel to near zero; and at least 99 % of the
-outputs (all but one of a small output) must be bit-equal to it (``_ulps`` == 0): the
+outputs (all but one of a small output) must be bit-equal to it (``bf16_ulps`` == 0): the
 two fp32 sums differ by a few fp32 ulps, which changes the bf16 rounding only within
 that distance of a tie (~1e-4 of random outputs), while an error of half a bf16 ulp
 would change about half of them.
@@ -25,10 +25,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from kernels import cpu_gemv
 from kernels.cpu_extension import LazyExtension
+from tests.support.linear_oracle import assert_linear_matches
 
 if not cpu_gemv.available():
     pytest.skip("the cpu_gemv extension did not build", allow_module_level=True)
@@ -72,29 +72,6 @@ def _x(m: int, k: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).bfloat16()
 
 
-def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """bf16 ulps between a and b (finite values; +0 and -0 are the same)."""
-    def ordered(t: torch.Tensor) -> torch.Tensor:
-        i = t.view(torch.int16).to(torch.int32)
-        return torch.where(i < 0, -(i & 0x7FFF), i)
-    return (ordered(a) - ordered(b)).abs()
-
-
-def assert_matches(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
-                   bias: torch.Tensor | None, what: str) -> None:
-    ref = F.linear(x.float(), w.float(), None if bias is None else bias.float())
-    assert got.dtype == torch.bfloat16 and got.shape == ref.shape, f"{what}: {got.dtype} {got.shape}"
-    magnitude = F.linear(x.float().abs(), w.float().abs())  # sum of |products|
-    if bias is not None:
-        magnitude = magnitude + bias.float().abs()
-    diff = (got.float() - ref.bfloat16().float()).abs()
-    too_far = diff > 1e-2 * ref.abs() + 1e-5 * magnitude
-    assert not too_far.any(), (
-        f"{what}: {int(too_far.sum())} outputs off, max {float(diff.max()):.3g}")
-    unequal = int((_ulps(got, ref.bfloat16()) != 0).sum())
-    assert unequal <= max(1, got.numel() // 100), f"{what}: {unequal} of {got.numel()} differ"
-
-
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("n,k", MODEL_SHAPES)
 def test_model_shapes(linear: Linear, n: int, k: int, with_bias: bool) -> None:
@@ -102,7 +79,7 @@ def test_model_shapes(linear: Linear, n: int, k: int, with_bias: bool) -> None:
     bias = b if with_bias else None
     for m in (1, 2, 4, 8):
         x = _x(m, k, seed=m)
-        assert_matches(linear(x, w, bias), x, w, bias, f"[{n} x {k}] M={m} bias={with_bias}")
+        assert_linear_matches(linear(x, w, bias), x, w, bias, f"[{n} x {k}] M={m} bias={with_bias}")
 
 
 ODD_SHAPES = [  # (M, N, K)
@@ -119,7 +96,7 @@ def test_odd_shapes(linear: Linear, m: int, n: int, k: int, with_bias: bool) -> 
     x = torch.randn(m, k, generator=gen).bfloat16()
     w = torch.randn(n, k, generator=gen).bfloat16()
     bias = torch.randn(n, generator=gen).bfloat16() if with_bias else None
-    assert_matches(linear(x, w, bias), x, w, bias, f"M={m} N={n} K={k} bias={with_bias}")
+    assert_linear_matches(linear(x, w, bias), x, w, bias, f"M={m} N={n} K={k} bias={with_bias}")
 
 
 def test_empty_and_k0(linear: Linear) -> None:
@@ -137,9 +114,9 @@ def test_strided_x(linear: Linear) -> None:
     wide = _x(4, 700)
     x = wide[:, 50:626]  # rows 700 apart, as a slice of a fused projection
     assert x.stride() == (700, 1)
-    assert_matches(linear(x, w, b), x, w, b, "row stride 700")
+    assert_linear_matches(linear(x, w, b), x, w, b, "row stride 700")
     xt = _x(576, 3).t()  # stride (1, 3): copied first
-    assert_matches(linear(xt, w, b), xt, w, b, "transposed x")
+    assert_linear_matches(linear(xt, w, b), xt, w, b, "transposed x")
 
 
 def test_thread_count_does_not_change_results() -> None:

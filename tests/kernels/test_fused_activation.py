@@ -26,6 +26,7 @@ from fused_cases import EPS, compare, force_triton_path, spy
 from kernel_cases import DTYPES, device, require_triton, skip_unless_runnable
 from kernels import reference
 from kernels.triton_utils import interpret_mode
+from tests.support.model_configs import mlp_config
 
 pytestmark = require_triton
 
@@ -88,18 +89,6 @@ def test_act_mul_special_values(dtype: torch.dtype, gelu: bool) -> None:
            max_off=None if dtype == torch.float32 else 1 / 16)
 
 
-def _mlp_config(gelu: bool):  # type: ignore[no-untyped-def]
-    from services.worker.model_config import ModelConfig
-
-    return ModelConfig(
-        architecture="LlamaForCausalLM", vocab_size=32, hidden_size=48, intermediate_size=80,
-        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=24,
-        rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None, max_position_embeddings=64,
-        tie_word_embeddings=False, qkv_bias=False, o_proj_bias=False, mlp_bias=False,
-        eos_token_ids=(0,), bos_token_id=None,
-        hidden_act="gelu_pytorch_tanh" if gelu else "silu")
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("gelu", [False, True])
 def test_mlp_triton_path_equals_its_torch_path(
@@ -112,7 +101,7 @@ def test_mlp_triton_path_equals_its_torch_path(
 
     asked = force_triton_path(monkeypatch, llama)
     launched = spy(monkeypatch, fused_activation, "act_mul")
-    config = _mlp_config(gelu)
+    config = mlp_config("gelu_pytorch_tanh" if gelu else "silu")
     dev = device()
     fused, plain = LlamaMLP(config, fused=True), LlamaMLP(config, fused=False)
     gen = torch.Generator().manual_seed(2)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from kernels import cpu_fused, cpu_gemm, cpu_gemv
 from services.worker.layers.linear import GEMV_MAX_ROWS, linear, pack_cpu_linears, pack_weight
+from tests.support.model_configs import mlp_config
 
 onednn = pytest.mark.skipif(pack_weight(torch.ones(8, 8), "onednn") is None,
                             reason="oneDNN weight packing unavailable")
@@ -107,15 +108,9 @@ def test_without_a_packed_weight_it_is_f_linear() -> None:
 
 
 def _mlp(hidden_act: str, mlp_bias: bool, dtype: torch.dtype):  # type: ignore[no-untyped-def]
-    from services.worker.model_config import ModelConfig
     from services.worker.models.llama import LlamaMLP
 
-    config = ModelConfig(
-        architecture="LlamaForCausalLM", vocab_size=32, hidden_size=64, intermediate_size=100,
-        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-        rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None, max_position_embeddings=64,
-        tie_word_embeddings=False, qkv_bias=False, o_proj_bias=False, mlp_bias=mlp_bias,
-        eos_token_ids=(0,), bos_token_id=None, hidden_act=hidden_act)
+    config = mlp_config(hidden_act, hidden_size=64, intermediate_size=100, mlp_bias=mlp_bias)
     mlp = LlamaMLP(config)
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
