@@ -40,15 +40,21 @@ HUGE_PAGE_BYTES = 2 * 1024 * 1024
 _MADV_HUGEPAGE = 14  # Linux's value on every architecture
 
 
-def keep_large_allocations_in_heap() -> bool:
-    """Apply the settings; True when glibc took both."""
+def _libc() -> ctypes.CDLL | None:
     name = ctypes.util.find_library("c")
     if name is None:
-        return False
+        return None
     try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+        return ctypes.CDLL(name)
+    except OSError:
+        return None
+
+
+def keep_large_allocations_in_heap() -> bool:
+    """Apply the settings; True when glibc took both."""
+    libc = _libc()
+    mallopt = getattr(libc, "mallopt", None)
+    if mallopt is None:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     ok = mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
@@ -58,25 +64,15 @@ def keep_large_allocations_in_heap() -> bool:
     return ok
 
 
-def _libc() -> ctypes.CDLL | None:
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
-    try:
-        return ctypes.CDLL(name, use_errno=True)
-    except OSError:
-        return None
-
-
 def advise_huge_pages(address: int, length: int) -> bool:
     """Ask for transparent huge pages on [address, address + length) (both multiples of
     HUGE_PAGE_BYTES); True when the kernel took the advice."""
-    libc = _libc()
-    if libc is None or not hasattr(libc, "madvise") or length <= 0:
+    madvise = getattr(_libc(), "madvise", None)
+    if madvise is None or length <= 0:
         return False
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    libc.madvise.restype = ctypes.c_int
-    return libc.madvise(address, length, _MADV_HUGEPAGE) == 0
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    return madvise(address, length, _MADV_HUGEPAGE) == 0
 
 
 def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -26,7 +26,7 @@ from services.worker.attention import get_attention_backend
 from services.worker.attention.base import AttentionBackend
 from services.worker.cpu_memory import keep_large_allocations_in_heap
 from services.worker.cuda_graphs import DEFAULT_MAX_BATCH_SIZE
-from services.worker.layers.linear import pack_cpu_linears
+from services.worker.layers.linear import cpu_has, pack_cpu_linears
 from services.worker.loader import load_model
 from services.worker.memory_profile import (
     GRAPH_RESERVE_BYTES,
@@ -102,11 +102,7 @@ def cpu_has_native_bf16() -> bool:
     There, oneDNN's bf16 linears run ~2x its fp32 ones (370-410 vs 190-210 GFLOP/s at
     24-1,024 rows on a 2-core Zen 4); without it, bf16 is emulated and slower than fp32.
     """
-    try:
-        caps = torch.cpu.get_capabilities()
-    except (AttributeError, RuntimeError):
-        return False
-    return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
+    return cpu_has("avx512_bf16", "amx_bf16")
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:

@@ -78,12 +78,14 @@ def _silu_gated_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
     return F.silu(gate) * up
 
 
-def cpu_has_amx_bf16() -> bool:
+def cpu_has(*features: str) -> bool:
+    """Whether torch reports any of these CPU features (``torch.cpu.get_capabilities``
+    names, e.g. ``avx512_bf16``, ``amx_bf16``); False where it cannot tell."""
     try:
         caps = torch.cpu.get_capabilities()
     except (AttributeError, RuntimeError):
         return False
-    return bool(caps.get("amx_bf16"))
+    return any(caps.get(f) for f in features)
 
 
 def auto_kernel(dtype: torch.dtype) -> str:
@@ -91,7 +93,7 @@ def auto_kernel(dtype: torch.dtype) -> str:
     where it has the vector path, except bf16 on an AMX CPU; else ``onednn``."""
     if dtype not in cpu_gemm.simd_dtypes():
         return "onednn"
-    if dtype == torch.bfloat16 and cpu_has_amx_bf16():
+    if dtype == torch.bfloat16 and cpu_has("amx_bf16"):
         return "onednn"
     return "cpu_gemm"
 
