@@ -78,8 +78,8 @@ def advise_huge_pages(address: int, length: int) -> bool:
 def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zeroed, contiguous CPU tensor that starts on a 2 MiB boundary, its whole 2 MiB
     pages advised for transparent huge pages before the zeroing touches them (the last
-    partial page stays small; the up to 2 MiB of slack before the start is never touched,
-    so it takes no memory)."""
+    partial page stays small; the 2 MiB of slack allocated for the alignment, before the
+    start and past the end, is never touched, so it takes no memory)."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     raw = torch.empty(nbytes + HUGE_PAGE_BYTES, dtype=torch.uint8)
     start = -raw.data_ptr() % HUGE_PAGE_BYTES
