@@ -21,11 +21,11 @@ weight reads, or fewer calls where they are compute-bound: no more flops than th
 does in the time those bytes take at the read bandwidth (so a round lasts about as long
 at M = 256 as at M = 1).
 
-The header gives the thread count (torch's; ``--threads`` to set it) and the machine as
-``pagoda bench --roofline`` measures it (``pagoda.bench.roofline``): read bandwidth
-(torch sum of a 256 MB fp32 tensor) and matmul peak in the dtype, the best 1024 x 1024
-x 1024 product through torch.mm, oneDNN's packed linear and cpu_gemm (where all fall
-short of the FMA units' nominal rate, this is what a linear here can reach). The "whole model step" line per M adds up 30 layers x (qkv, o, gate_up,
+The header gives the thread count (torch's; ``--threads`` to set it), the machine's
+read bandwidth (torch sum of a 256 MB fp32 tensor) and its matmul peak in the dtype: the
+best of a few 1024 x 1024 x 1024 products through oneDNN's packed linear and cpu_gemm
+(where both fall well short of the FMA units' nominal rate, this is what a linear here
+can reach). The "whole model step" line per M adds up 30 layers x (qkv, o, gate_up,
 down) and the lm_head once, and gives each kernel's GFLOP/s there as a % of that peak.
 """
 
@@ -41,10 +41,10 @@ from dataclasses import dataclass
 import torch
 
 from kernels import cpu_gemm, cpu_gemv
-from pagoda.bench.roofline import measure_matmul_flops, measure_read_bandwidth
 
 LAYERS = 30
 GEMV_MAX_ROWS = 8  # cpu_gemv's register tile; beyond it it loops over tiles (not its case)
+PEAK_SIZE = 1024
 
 
 @dataclass(frozen=True)
@@ -71,6 +71,17 @@ SHAPES = (
 KERNELS = ("cpu_gemm", "oneDNN", "cpu_gemv")  # the order of the times in a result
 
 
+def read_bandwidth(rounds: int) -> float:  # bytes / s of torch's sum over a 256 MB tensor
+    t = torch.ones(64 * 1024 * 1024)
+    t.sum()
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        t.sum()
+        times.append(time.perf_counter() - start)
+    return t.numel() * 4 / statistics.median(times)
+
+
 def _onednn_pack(w: torch.Tensor, batch_hint: int = 64) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(w, batch_hint)  # type: ignore[no-any-return]
 
@@ -78,6 +89,23 @@ def _onednn_pack(w: torch.Tensor, batch_hint: int = 64) -> torch.Tensor:
 def _onednn(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(  # type: ignore[no-any-return]
         x, packed, None, "none", [], "")
+
+
+def matmul_peak(dtype: torch.dtype, tries: int = 5) -> float:
+    """FLOP/s: the best of `tries` 1024^3 products through oneDNN's packed linear and
+    cpu_gemm, after a warm-up call of each (the most a linear of this machine reaches)."""
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(PEAK_SIZE, PEAK_SIZE, generator=gen).to(dtype)
+    x = torch.randn(PEAK_SIZE, PEAK_SIZE, generator=gen).to(dtype)
+    dnn_w, gemm_w = _onednn_pack(w, PEAK_SIZE), cpu_gemm.pack(w)
+    best = math.inf
+    for fn in (lambda: _onednn(x, dnn_w), lambda: cpu_gemm.linear(x, gemm_w, PEAK_SIZE, None)):
+        fn()
+        for _ in range(tries):
+            start = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - start)
+    return 2 * PEAK_SIZE**3 / best
 
 
 def time_rounds(
@@ -191,13 +219,11 @@ def main() -> None:
         raise SystemExit("this torch has no oneDNN (mkldnn)")
     use_gemv = dtype == torch.bfloat16 and cpu_gemv.available()
     path = "vector" if dtype in cpu_gemm.simd_dtypes() else "portable"
-    # the machine as `pagoda bench --roofline` measures it
-    bandwidth = measure_read_bandwidth("cpu")
-    peak = measure_matmul_flops("cpu", dtype=args.dtype)
+    bandwidth, peak = read_bandwidth(5), matmul_peak(dtype)
     print(f"cpu_gemm ({path}) vs oneDNN packed{' and cpu_gemv' if use_gemv else ''}, "
           f"{args.dtype}, {torch.get_num_threads()} threads; read bandwidth (torch sum, "
-          f"256 MB fp32): {bandwidth / 1e9:.1f} GB/s; matmul peak (best 1024^3 of "
-          f"torch.mm, oneDNN, cpu_gemm): {peak / 1e9:.0f} GFLOP/s")
+          f"256 MB fp32): {bandwidth / 1e9:.1f} GB/s; matmul peak (best {PEAK_SIZE}^3 "
+          f"of oneDNN, cpu_gemm): {peak / 1e9:.0f} GFLOP/s")
     kernel_head = " | ".join(f"{k + ' us':>11} {'GFLOP/s':>8} {'GB/s':>6}" for k in KERNELS)
     print(f"{'shape [N x K]':<22} {kernel_head} |{'dnn/gemm':>9}{'gemv/gemm':>10}")
     gen = torch.Generator().manual_seed(0)
