@@ -24,6 +24,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_decode_blocks.h"
@@ -131,8 +132,10 @@ struct Decode {
     float* sc = w.scores.data();  // [H, n] with row stride part_tokens
     float* acc = w.acc.data();
     for (int64_t i = 0; i < H * D; ++i) q[i] = to_f32(query[b * H * D + i]) * scale;
+    Query qv{q, nullptr, scale};
+    if constexpr (std::is_same_v<T, uint16_t>) qv.bf16 = query + b * H * D;
     for_each_block(k_cache, b, start, end,
-                   [&](const T* rows, BlockView bv) { block_scores(s, rows, bv, q, sc); });
+                   [&](const T* rows, BlockView bv) { block_scores(s, rows, bv, qv, sc); });
     float* row_max = w.stats.data();
     float* row_sum = row_max + H;
     const int64_t n = end - start;
@@ -160,7 +163,8 @@ struct Decode {
                    [&](const T* rows, BlockView bv) { block_accumulate(s, rows, bv, sc, acc); });
     for (int64_t h = 0; h < H; ++h) {
       const float inv = 1.0f / row_sum[h];
-      const float* ah = acc + h * D;
+      float* ah = acc + h * D;
+      unsplit_row<T>(D, ah);
       const int64_t row = b * H + h;
       if (s.num_parts == 1) {
         for (int64_t d = 0; d < D; ++d) store(ah[d] * inv, out + row * D + d);

@@ -3,6 +3,9 @@
 // softmax-weighted sum of its V rows. An AVX-512 version (query tiles in registers, 16
 // tokens' dot products reduced together) and a portable one; both take any head_dim
 // (AVX-512 masks the last 16-wide chunk) and fp32 or bf16 (as uint16_t bits) caches.
+// Where the CPU has AVX512-BF16, bf16 caches take their own AVX-512 path: scores by
+// vdpbf16ps straight from the bf16 query and K rows, V rows widened by a shift and a mask
+// into even and odd lanes (accumulators in that order until the end of the pass).
 #pragma once
 
 #include <algorithm>
@@ -16,6 +19,9 @@
     !defined(PAGODA_PORTABLE)
 #define PAGODA_AVX512 1
 #include <immintrin.h>
+#if defined(__AVX512BF16__)
+#define PAGODA_DECODE_DPBF16 1
+#endif
 #endif
 
 namespace pagoda_cpu_decode {
@@ -38,6 +44,13 @@ struct BlockView {
   // here prefetches its twin there, so the next block's loads are spread over this
   // block's compute instead of stalling in one burst
   int64_t next_delta;
+};
+
+// One sequence's query rows, [num_heads, D], as the block kernels take them.
+struct Query {
+  const float* scaled;    // fp32, times the softmax scale
+  const uint16_t* bf16;   // bf16 caches only: the query's own bits, unscaled
+  float scale;
 };
 
 // The twin in the next block of the 64 elements at `row`, into L1 (prefetcht0). On the
@@ -149,29 +162,158 @@ void for_each_tile(const Shape& s, Fn&& tile) {
     }
 }
 
+#ifdef PAGODA_DECODE_DPBF16
+inline __mmask32 chunk_mask32(int64_t left) {  // lanes of a 32-wide bf16 chunk inside head_dim
+  return left >= 32 ? __mmask32(0xFFFFFFFFu) : left <= 0 ? __mmask32(0) : __mmask32((1u << left) - 1);
+}
+
+// scores_tile for bf16: per 64-wide slice of head_dim, two vdpbf16ps per query row and
+// token on the raw bf16 rows (exact products, fp32 sums), the scale applied to each
+// reduced score.
+template <int GT>
+void scores_tile_bf16(const Shape& s, const uint16_t* k, BlockView bv, const uint16_t* q,
+                      float scale, float* scores) {
+  const int64_t D = s.head_dim;
+  const __m512 vscale = _mm512_set1_ps(scale);
+  __m512 dots[GT][16];
+  for (int64_t t0 = 0; t0 < bv.n; t0 += 16) {
+    const int64_t nt = std::min<int64_t>(16, bv.n - t0);
+    for (int i = 0; i < GT; ++i)
+      for (int t = 0; t < 16; ++t) dots[i][t] = _mm512_setzero_ps();
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+      const __mmask32 m0 = chunk_mask32(D - d0), m1 = chunk_mask32(D - d0 - 32);
+      __m512bh qr[GT][2];
+      for (int i = 0; i < GT; ++i) {
+        qr[i][0] = (__m512bh)_mm512_maskz_loadu_epi16(m0, q + i * D + d0);
+        qr[i][1] = (__m512bh)_mm512_maskz_loadu_epi16(m1, q + i * D + d0 + 32);
+      }
+      for (int64_t t = 0; t < nt; ++t) {
+        const uint16_t* kt = k + (t0 + t) * s.row_stride + d0;
+        prefetch_twin(kt, bv.next_delta);
+        const __m512bh k0 = (__m512bh)_mm512_maskz_loadu_epi16(m0, kt);
+        const __m512bh k1 = (__m512bh)_mm512_maskz_loadu_epi16(m1, kt + 32);
+        for (int i = 0; i < GT; ++i)
+          dots[i][t] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(dots[i][t], qr[i][0], k0), qr[i][1], k1);
+      }
+    }
+    for (int i = 0; i < GT; ++i)
+      _mm512_mask_storeu_ps(scores + i * s.part_tokens + bv.pos + t0, chunk_mask(nt),
+                            _mm512_mul_ps(reduce16(dots[i]), vscale));
+  }
+}
+
+// Where the 32-wide chunk of head_dim at d0 keeps its widened lanes in an accumulator row:
+// the even dims first, then the odd ones (a chunk of w dims: ceil(w / 2) even, w / 2 odd).
+struct SplitChunk {
+  __mmask16 even, odd;
+  int64_t odd_at;  // offset of the odd lanes from the chunk's start
+  explicit SplitChunk(int64_t w)
+      : even(chunk_mask((std::min<int64_t>(w, 32) + 1) / 2)),
+        odd(chunk_mask(std::min<int64_t>(w, 32) / 2)),
+        odd_at((std::min<int64_t>(w, 32) + 1) / 2) {}
+};
+
+// accumulate_tile for bf16: each 32-wide chunk of a V row is one load, widened into its
+// even dims (shifted up) and odd dims (masked), so acc holds the split layout.
+template <int GT>
+void accumulate_tile_bf16(const Shape& s, const uint16_t* v, BlockView bv, const float* p,
+                          float* acc) {
+  const int64_t D = s.head_dim;
+  const float* pt = p + bv.pos;
+  const __m512i odd_bits = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    const __mmask32 m[2] = {chunk_mask32(D - d0), chunk_mask32(D - d0 - 32)};
+    const SplitChunk c0(D - d0), c1(std::max<int64_t>(D - d0 - 32, 0));
+    const SplitChunk* ch[2] = {&c0, &c1};
+    __m512 a[GT][4];
+    for (int i = 0; i < GT; ++i)
+      for (int c = 0; c < 2; ++c) {
+        const float* base = acc + i * D + d0 + 32 * c;
+        a[i][2 * c] = _mm512_maskz_loadu_ps(ch[c]->even, base);
+        a[i][2 * c + 1] = _mm512_maskz_loadu_ps(ch[c]->odd, base + ch[c]->odd_at);
+      }
+    for (int64_t t = 0; t < bv.n; ++t) {
+      const uint16_t* vt = v + t * s.row_stride + d0;
+      prefetch_twin(vt, bv.next_delta);
+      __m512 w[GT];
+      for (int i = 0; i < GT; ++i) w[i] = _mm512_set1_ps(pt[i * s.part_tokens + t]);
+      for (int c = 0; c < 2; ++c) {
+        const __m512i x = _mm512_maskz_loadu_epi16(m[c], vt + 32 * c);
+        const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+        const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(x, odd_bits));
+        for (int i = 0; i < GT; ++i) {
+          a[i][2 * c] = _mm512_fmadd_ps(w[i], even, a[i][2 * c]);
+          a[i][2 * c + 1] = _mm512_fmadd_ps(w[i], odd, a[i][2 * c + 1]);
+        }
+      }
+    }
+    for (int i = 0; i < GT; ++i)
+      for (int c = 0; c < 2; ++c) {
+        float* base = acc + i * D + d0 + 32 * c;
+        _mm512_mask_storeu_ps(base, ch[c]->even, a[i][2 * c]);
+        _mm512_mask_storeu_ps(base + ch[c]->odd_at, ch[c]->odd, a[i][2 * c + 1]);
+      }
+  }
+}
+#endif
+
 template <typename T>
-void block_scores(const Shape& s, const T* rows, BlockView bv, const float* q, float* scores) {
+void block_scores(const Shape& s, const T* rows, BlockView bv, const Query& q, float* scores) {
   for_each_tile(s, [&](auto gt, int64_t kvh, int64_t h) {
-    scores_tile<decltype(gt)::value>(s, rows + kvh * s.head_dim, bv, q + h * s.head_dim,
-                                     scores + h * s.part_tokens);
+    constexpr int G = decltype(gt)::value;
+#ifdef PAGODA_DECODE_DPBF16
+    if constexpr (std::is_same_v<T, uint16_t>) {
+      scores_tile_bf16<G>(s, rows + kvh * s.head_dim, bv, q.bf16 + h * s.head_dim, q.scale,
+                          scores + h * s.part_tokens);
+      return;
+    }
+#endif
+    scores_tile<G>(s, rows + kvh * s.head_dim, bv, q.scaled + h * s.head_dim,
+                   scores + h * s.part_tokens);
   });
 }
 
 template <typename T>
 void block_accumulate(const Shape& s, const T* rows, BlockView bv, const float* p, float* acc) {
   for_each_tile(s, [&](auto gt, int64_t kvh, int64_t h) {
-    accumulate_tile<decltype(gt)::value>(s, rows + kvh * s.head_dim, bv,
-                                         p + h * s.part_tokens, acc + h * s.head_dim);
+    constexpr int G = decltype(gt)::value;
+#ifdef PAGODA_DECODE_DPBF16
+    if constexpr (std::is_same_v<T, uint16_t>) {
+      accumulate_tile_bf16<G>(s, rows + kvh * s.head_dim, bv, p + h * s.part_tokens,
+                              acc + h * s.head_dim);
+      return;
+    }
+#endif
+    accumulate_tile<G>(s, rows + kvh * s.head_dim, bv, p + h * s.part_tokens,
+                       acc + h * s.head_dim);
   });
+}
+
+// Puts a head row of V sums (D floats) back in dim order after a pass that left it in
+// the split layout (bf16 caches on the AVX512-BF16 path); a no-op otherwise.
+template <typename T>
+void unsplit_row(int64_t D, float* row) {
+#ifdef PAGODA_DECODE_DPBF16
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    float tmp[32];
+    for (int64_t d0 = 0; d0 < D; d0 += 32) {
+      const int64_t w = std::min<int64_t>(32, D - d0), odd_at = (w + 1) / 2;
+      for (int64_t j = 0; j < w; ++j) tmp[j] = row[d0 + (j % 2 ? odd_at + j / 2 : j / 2)];
+      std::copy(tmp, tmp + w, row + d0);
+    }
+  }
+#endif
+  (void)D;
+  (void)row;
 }
 #else
 // scores[h, pos + t] = q[h] . k[t, h / G]
 template <typename T>
-void block_scores(const Shape& s, const T* rows, BlockView bv, const float* q, float* scores) {
+void block_scores(const Shape& s, const T* rows, BlockView bv, const Query& q, float* scores) {
   const int64_t D = s.head_dim;
   for (int64_t t = 0; t < bv.n; ++t) {
     for (int64_t h = 0; h < s.num_heads; ++h) {
-      const float* qh = q + h * D;
+      const float* qh = q.scaled + h * D;
       const T* k = rows + t * s.row_stride + (h / s.group) * D;
       float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
@@ -195,6 +337,9 @@ void block_accumulate(const Shape& s, const T* rows, BlockView bv, const float* 
     }
   }
 }
+
+template <typename T>
+void unsplit_row(int64_t, float*) {}  // the portable pass keeps dim order
 #endif
 
 }  // namespace pagoda_cpu_decode

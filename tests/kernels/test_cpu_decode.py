@@ -83,9 +83,12 @@ def test_batch_17_ragged(dtype: torch.dtype, index_dtype: torch.dtype) -> None:
     _check(lens, 9, 3, 64, 16, dtype=dtype, index_dtype=index_dtype)
 
 
-@pytest.mark.parametrize("head_dim", [40, 256])  # a masked last chunk; the largest
-def test_other_head_dims(head_dim: int) -> None:
-    _check([5, 33, 70], 8, 2, head_dim, 16, dtype=torch.float32)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# masked last chunks (bf16 on AVX512-BF16: 32 wide, split into even and odd lanes); the
+# largest
+@pytest.mark.parametrize("head_dim", [24, 40, 80, 96, 256])
+def test_other_head_dims(head_dim: int, dtype: torch.dtype) -> None:
+    _check([5, 33, 70], 8, 2, head_dim, 16, dtype=dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
