@@ -16,10 +16,14 @@ Adapted idea: vLLM's ``capture_model`` and cudagraph batch sizes, SGLang's
   the C++ one, the torch reference), so no block is written and the pool gives up no
   scratch block; seq_len 1 over block 0, one key read whose result is dropped (a
   seq_len of 0 would leave the split-K reduce without a non-empty split).
-- Output: each graph's final hidden states [bucket, hidden], a tensor of the graphs'
-  shared pool that its replay rewrites. The runner takes the rows that sample from it
-  at once; the LM head and the sampler then run eagerly, as on any step (greedy argmax
-  inside the graph: not done; it would need the LM head in the graph too).
+- Output (``DecodeOutput``): each graph ends with the LM head and the argmax of every
+  row, so a step that is plain greedy (no temperature, penalty, bias, min_tokens,
+  logprobs or grammar: ``SamplingMetadata.is_plain_greedy``) takes its tokens from the
+  graph and launches nothing more; any other step samples eagerly from the graph's
+  logits. Every decode row samples, so the head costs no more than the eager one (the
+  padded rows aside). Both are views of two persistent buffers ([max bucket, vocab]
+  fp32 logits, [max bucket] tokens) that every step rewrites: the runner reads or
+  copies them before the next.
 - Attention backends are captured only if ``supports_cuda_graphs``; each metadata
   built here goes through ``AttentionBackend.prepare_graph`` first (Triton: the decode
   split-K factor fixed from max_model_len instead of the step's longest sequence).
@@ -36,15 +40,25 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from services.worker.attention.base import AttentionBackend, AttentionMetadata
 from services.worker.models.llama import KVCache, LlamaForCausalLM
+from services.worker.sampler import argmax_rows
 
 DEFAULT_MAX_BATCH_SIZE = 256
 PAD_SLOT = -1  # the cache-write slot of a padded row: skipped
+
+
+@dataclass(frozen=True)
+class DecodeOutput:
+    """What a decode step leaves, [bucket] rows: the step's rows first, then padding."""
+
+    logits: torch.Tensor  # [bucket, vocab] fp32, as the model's compute_logits
+    argmax: torch.Tensor  # [bucket] int64: each row's greedy token, as the sampler's argmax
 
 
 def graph_batch_sizes(max_batch_size: int) -> list[int]:
@@ -92,6 +106,10 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
         self.block_tables = torch.zeros(n, w, dtype=torch.int32, device=dev)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        # every bucket's output: views of these (per-bucket tensors of the graph pool would
+        # stay alive side by side, 33 buckets of [bucket, vocab] fp32 logits)
+        self.logits = torch.zeros(n, model.config.vocab_size, dtype=torch.float32, device=dev)
+        self.argmax = torch.zeros(n, dtype=torch.int64, device=dev)
         # host staging, pinned on CUDA so the copies are asynchronous; the block tables
         # flat, so a step's [bucket, its widest row] is one dense block
         pin = dev.type == "cuda"
@@ -103,7 +121,7 @@ class DecodeGraphs:
         # recorded after each step's copies: the staging buffers are free once it passed
         self._copied = torch.cuda.Event() if pin else None
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, torch.Tensor] = {}  # bucket -> its graph's hidden states
+        self._outputs: dict[int, DecodeOutput] = {}  # bucket -> what its graph writes
 
     @property
     def captured(self) -> list[int]:
@@ -119,7 +137,7 @@ class DecodeGraphs:
         slot_mapping: np.ndarray,  # [n] int64
         seq_lens: np.ndarray,  # [n] int64, after this step
         block_tables: np.ndarray,  # [n, cols] int, cols <= max_blocks_per_seq
-    ) -> torch.Tensor:  # [bucket, hidden]: row i < n is sequence i's, the rest padding
+    ) -> DecodeOutput:  # row i < n is sequence i's, the rest padding
         """One decode step: replayed from its bucket's graph if captured, else eagerly."""
         n = len(input_ids)
         bucket = bucket_for(n, self.sizes)
@@ -155,8 +173,9 @@ class DecodeGraphs:
         if self._copied is not None:
             self._copied.record(torch.cuda.current_stream(self.device))
 
-    def _forward(self, bucket: int, seq_lens_host: list[int]) -> torch.Tensor:
-        """The model over the first ``bucket`` rows of the buffers (what a graph holds)."""
+    def _forward(self, bucket: int, seq_lens_host: list[int]) -> DecodeOutput:
+        """The model, its LM head and the argmax over the first ``bucket`` rows of the
+        buffers (what a graph holds)."""
         meta = AttentionMetadata(
             num_tokens=bucket,
             num_decodes=bucket,
@@ -170,8 +189,12 @@ class DecodeGraphs:
             seq_lens_host=seq_lens_host,  # true when eager; capture-time dummies in a graph
         )
         self.backend.prepare_graph(meta, self.max_model_len)
-        return self.model(self.input_ids[:bucket], self.positions[:bucket], self.kv_caches, meta,
-                          self.backend)
+        hidden = self.model(self.input_ids[:bucket], self.positions[:bucket], self.kv_caches,
+                            meta, self.backend)
+        logits = self.model.compute_logits(hidden, out=self.logits[:bucket])
+        argmax = self.argmax[:bucket]
+        argmax.copy_(argmax_rows(logits))
+        return DecodeOutput(logits, argmax)
 
     @torch.inference_mode()
     def capture(self) -> None:

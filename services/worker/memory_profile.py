@@ -32,10 +32,16 @@ from services.worker.models.llama import LlamaForCausalLM
 from services.worker.sampler import Sampler, SamplingRow
 from shared.sampling_params import SamplingParams
 
-# left free for the decode graphs: their pool holds one decode step's intermediates at
-# the largest bucket plus each bucket's hidden-state output, and the instantiated graphs
-# take device memory outside torch's allocator; capture logs what they really took
+# left free for the decode graphs besides their logits buffer (graph_reserve_bytes): their
+# pool holds one decode step's intermediates at the largest bucket, and the instantiated
+# graphs take device memory outside torch's allocator; capture logs what they really took
 GRAPH_RESERVE_BYTES = 512 * 2**20
+
+
+def graph_reserve_bytes(max_batch_size: int, vocab_size: int) -> int:
+    """Device memory kept out of the KV pool for the decode graphs: GRAPH_RESERVE_BYTES
+    and their persistent [max_batch_size, vocab] fp32 logits (cuda_graphs.DecodeGraphs)."""
+    return GRAPH_RESERVE_BYTES + max_batch_size * vocab_size * 4
 
 
 @dataclass(frozen=True)

@@ -185,32 +185,48 @@ class ModelRunner:
 
     # -- one step --------------------------------------------------------------------
     def execute(self, batch: StepBatch) -> StepResult:
-        return self.execute_with_logits(batch)[0]
+        return self._execute(batch, keep_logits=False)[0]
 
-    @torch.inference_mode()
     def execute_with_logits(self, batch: StepBatch) -> tuple[StepResult, dict[int, torch.Tensor]]:
         """Runs the step; also returns request_id -> raw logits [vocab] of each sampler."""
+        return self._execute(batch, keep_logits=True)
+
+    @torch.inference_mode()
+    def _execute(self, batch: StepBatch,
+                 keep_logits: bool) -> tuple[StepResult, dict[int, torch.Tensor]]:
         self._apply_deltas(batch)
         if not batch.scheduled_request_ids:
             return StepResult(step_id=batch.step_id), {}
         flat = self._flatten(batch)
+        argmax = None
         if self.graphs is not None and self._graph_step(flat):
-            hidden = self.graphs.run(flat.input_ids, flat.positions, flat.slot_mapping,
-                                     flat.seq_lens, flat.block_tables)  # padded rows follow
+            # decode only: token i is row i; the graph's rows past the step's are padding
+            graph_out = self.graphs.run(flat.input_ids, flat.positions, flat.slot_mapping,
+                                        flat.seq_lens, flat.block_tables)
+            prompt_logprobs: list[PromptLogprobs] = []  # no such request takes the graphs
+            n = len(flat.order)
+            if len(flat.sample_rows) == n:  # as in every decode step: views, read before
+                logits, argmax = graph_out.logits[:n], graph_out.argmax[:n]  # the next replay
+            else:
+                rows = self._upload(flat.logit_indices)
+                logits = graph_out.logits.index_select(0, rows)
+                argmax = graph_out.argmax.index_select(0, rows)
         else:
             hidden = self._forward(flat)
-        prompt_logprobs = self._prompt_logprobs(flat, hidden) if self._prompt_logprobs_ids else []
+            prompt_logprobs = (self._prompt_logprobs(flat, hidden)
+                               if self._prompt_logprobs_ids else [])
+            logits = (self.model.compute_logits(
+                hidden.index_select(0, self._upload(flat.logit_indices)))
+                if flat.sample_rows else None)
         for state, n in zip(flat.order, np.diff(flat.query_start_loc).tolist()):
             state.num_computed_tokens += n
-        if not flat.sample_rows:
+        if logits is None or not flat.sample_rows:
             return StepResult(step_id=batch.step_id, prompt_logprobs=prompt_logprobs), {}
-        logits = self.model.compute_logits(
-            hidden.index_select(0, self._upload(flat.logit_indices)))
         samplers = [flat.order[i] for i in flat.sample_rows]
         grammar = (self._grammar_bitmask(batch, samplers)
                    if batch.grammar_seq_ids and self.tp.is_first else None)
         if self.tp.is_first:
-            out = self.sampler(logits, [s.rows for s in samplers], grammar)
+            out = self.sampler(logits, [s.rows for s in samplers], grammar, argmax)
             sampled_ids, logprobs = out.sampled_token_ids, out.logprobs
         else:  # rank 0 samples; the others take its tokens (their state needs them)
             sampled_ids = torch.empty(len(samplers), dtype=torch.int64, device=self.device)
@@ -226,6 +242,10 @@ class ModelRunner:
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
         )
+        if not keep_logits:
+            return result, {}
+        if argmax is not None:  # the graph's output: the next replay rewrites it
+            logits = logits.clone()
         return result, {s.request_id: logits[j] for j, s in enumerate(samplers)}
 
     def _prompt_logprobs(self, flat: _FlatBatch, hidden: torch.Tensor) -> list[PromptLogprobs]:

@@ -29,10 +29,10 @@ from services.worker.cuda_graphs import DEFAULT_MAX_BATCH_SIZE
 from services.worker.layers.linear import cpu_has, pack_cpu_linears
 from services.worker.loader import load_model
 from services.worker.memory_profile import (
-    GRAPH_RESERVE_BYTES,
     cuda_used,
     describe,
     dummy_step,
+    graph_reserve_bytes,
     kv_cache_budget,
     profile_memory,
 )
@@ -152,7 +152,10 @@ def build_runner(model_dir: Path, spec: RunnerSpec, tp: TensorParallel = SINGLE)
     num_blocks = _num_blocks(model, spec, dtype, device)
     if num_blocks is None:  # CUDA, no size given: what the profiling step leaves
         num_blocks = _profiled_num_blocks(model, attention, spec, dtype, device, max_model_len,
-                                          baseline_used, GRAPH_RESERVE_BYTES if graphs else 0)
+                                          baseline_used,
+                                          graph_reserve_bytes(spec.graph_max_batch_size,
+                                                              model.config.vocab_size)
+                                          if graphs else 0)
     runner = ModelRunner(model, attention, num_blocks, spec.block_size, dtype, device)
     if graphs:
         _capture_graphs(runner, spec.graph_max_batch_size, max_model_len, device)
@@ -184,13 +187,14 @@ def _capture_graphs(runner: ModelRunner, max_batch_size: int, max_model_len: int
         raise RuntimeError(f"capturing the decode CUDA graphs failed ({e}); "
                            "--enforce-eager runs without them") from e
     used = free_before - torch.cuda.mem_get_info(device)[0]
+    reserved = graph_reserve_bytes(graphs.max_batch_size, runner.model.config.vocab_size)
     log.info("CUDA graphs: %d decode batch sizes (1..%d) captured in %.1f s, %.0f MiB",
              len(graphs.captured), graphs.max_batch_size, time.perf_counter() - started,
              used / 2**20)
-    if used > GRAPH_RESERVE_BYTES:
+    if used > reserved:
         log.warning("the CUDA graphs took %.0f MiB, more than the %.0f MiB reserved for them; "
                     "lower --gpu-memory-utilization or --cuda-graph-max-batch-size if memory "
-                    "runs out", used / 2**20, GRAPH_RESERVE_BYTES / 2**20)
+                    "runs out", used / 2**20, reserved / 2**20)
 
 
 def _num_blocks(model, spec: RunnerSpec, dtype: torch.dtype, device: torch.device) -> int | None:  # type: ignore[no-untyped-def]

@@ -444,22 +444,29 @@ class Sampler:
             self.generator.manual_seed(seed & _MASK64)
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
-                 grammar: GrammarBitmask | None = None) -> SamplerOutput:
+                 grammar: GrammarBitmask | None = None,
+                 argmax: torch.Tensor | None = None) -> SamplerOutput:
+        """``argmax``: the rows' ``argmax_rows(logits)`` where the caller has it already (a
+        decode graph computes it), taken as the tokens of a plain greedy step."""
         if logits.shape != (len(rows), self.vocab_size):
             raise ValueError(
                 f"logits {tuple(logits.shape)} != ({len(rows)} rows, {self.vocab_size} vocab)"
             )
+        if argmax is not None and argmax.shape != (len(rows),):
+            raise ValueError(f"argmax {tuple(argmax.shape)} != ({len(rows)} rows,)")
         metadata = SamplingMetadata.from_rows(
             rows, self.vocab_size, self.eos_token_ids, self.device
         )
-        return self.sample(logits, metadata, grammar)
+        return self.sample(logits, metadata, grammar, argmax)
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, metadata: SamplingMetadata,
-               grammar: GrammarBitmask | None = None) -> SamplerOutput:
-        raw = logits.float()  # [B, V]
+               grammar: GrammarBitmask | None = None,
+               argmax: torch.Tensor | None = None) -> SamplerOutput:
         if metadata.is_plain_greedy and grammar is None:
-            return SamplerOutput(argmax_rows(raw), [None] * metadata.num_rows)
+            tokens = argmax if argmax is not None else argmax_rows(logits.float())
+            return SamplerOutput(tokens, [None] * metadata.num_rows)
+        raw = logits.float()  # [B, V]
         logits = raw
         if (metadata.penalties is not None or metadata.min_tokens_ids.numel()
                 or metadata.logit_bias is not None):

@@ -24,6 +24,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from kernels import cpu_decode
+from services.worker import sampler as sampler_module
 from services.worker.attention.base import AttentionBackend
 from services.worker.attention.torch_backend import CpuAttentionBackend, TorchAttentionBackend
 from services.worker.cuda_graphs import (
@@ -222,6 +223,71 @@ def test_steps_the_graphs_do_not_take(model_dir: Path) -> None:
     assert buckets == [1]
 
 
+def count_sampler_argmax(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The rows of every argmax the sampler itself takes (the graphs' own is not counted)."""
+    seen: list[int] = []
+    argmax_rows = sampler_module.argmax_rows
+
+    def counted(x: torch.Tensor) -> torch.Tensor:
+        seen.append(x.shape[0])
+        return argmax_rows(x)
+
+    monkeypatch.setattr(sampler_module, "argmax_rows", counted)
+    return seen
+
+
+def test_plain_greedy_decode_takes_the_graphs_argmax(model_dir: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plain greedy decode step takes its tokens from the graph (the LM head and the
+    argmax run inside it): the sampler computes none, and the tokens and logits are the
+    eager runner's."""
+    eager = make_runner(model_dir, TorchAttentionBackend(), None)
+    padded = make_runner(model_dir, TorchAttentionBackend(), 4)
+    assert padded.graphs is not None
+    buckets = spy_buckets(padded.graphs)
+    drivers = [PagedDriver(eager, seed=2), PagedDriver(padded, seed=2)]
+    for d in drivers:
+        d.add("a", list(range(3, 20)))
+        d.add("b", list(range(30, 41)))
+    lockstep(drivers, {"a": 17, "b": 11})  # prefill: eager on both
+    seen = count_sampler_argmax(monkeypatch)
+    for _ in range(3):
+        eager_logits, padded_logits = lockstep(drivers, {"a": 1, "b": 1})
+        for rid in ("a", "b"):  # batch 2 fills bucket 2: no padding, the same bits
+            assert torch.equal(eager_logits[rid], padded_logits[rid])
+    assert buckets == [2, 2, 2]
+    assert seen == [2, 2, 2]  # the eager runner's argmax only
+    assert drivers[0].output("a") == drivers[1].output("a")
+    assert drivers[0].output("b") == drivers[1].output("b")
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.0, max_tokens=None, logprobs=3),
+    SamplingParams(temperature=0.0, max_tokens=None, repetition_penalty=1.3),
+    SamplingParams(temperature=0.8, max_tokens=None, seed=5, top_k=20),
+], ids=["logprobs", "penalty", "seeded-random"])
+def test_other_decode_steps_sample_the_graphs_logits(model_dir: Path, params: SamplingParams,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode step that is not plain greedy samples eagerly from the graph's logits:
+    the same tokens and logprobs as the eager runner."""
+    eager = make_runner(model_dir, TorchAttentionBackend(), None)
+    padded = make_runner(model_dir, TorchAttentionBackend(), 2)
+    assert padded.graphs is not None
+    buckets = spy_buckets(padded.graphs)
+    drivers = [PagedDriver(eager, seed=4), PagedDriver(padded, seed=4)]
+    for d in drivers:
+        d.add("a", list(range(3, 20)), params)
+        d.add("g", list(range(50, 60)))  # plain greedy beside it
+    results = [d.step({"a": 17, "g": 10})[0] for d in drivers]
+    for _ in range(4):
+        results = [d.step({"a": 1, "g": 1})[0] for d in drivers]
+        assert results[0].sampled_token_ids == results[1].sampled_token_ids
+        assert results[0].logprobs == results[1].logprobs
+    assert buckets == [2] * 4
+    for rid in ("a", "g"):
+        assert drivers[0].output(rid) == drivers[1].output(rid)
+
+
 def test_length_dependent_rope_past_threshold_runs_eagerly(tmp_path: Path) -> None:
     scaling = {"rope_type": "dynamic", "factor": 2.0}
     path = make_checkpoint(tmp_path, "llama", seed=2, rope_scaling=scaling,
@@ -270,8 +336,8 @@ def test_padded_rows_write_no_block(model_dir: Path, make_backend) -> None:  # t
     seq_lens = np.array([5, 20, 1], dtype=np.int64)
     tables = np.array([[0, 9], [3, 4], [7, 0]], dtype=np.int64)
     slots = np.array([0 * 16 + 4, 4 * 16 + 3, 7 * 16 + 0], dtype=np.int64)
-    hidden = graphs.run(np.array([5, 6, 7]), seq_lens - 1, slots, seq_lens, tables)
-    assert hidden.shape[0] == 4 and torch.isfinite(hidden).all()
+    out = graphs.run(np.array([5, 6, 7]), seq_lens - 1, slots, seq_lens, tables)
+    assert out.logits.shape[0] == out.argmax.shape[0] == 4 and torch.isfinite(out.logits).all()
     for (k0, v0), (k1, v1) in zip(before, runner.kv_caches):
         for old, new in ((k0, k1), (v0, v1)):
             changed = (old != new).flatten(2).any(-1).flatten().nonzero().flatten().tolist()
@@ -385,10 +451,12 @@ def test_capture_then_replay_equals_padded_eager_on_cuda(model_dir: Path) -> Non
     ids, lens = np.array([5, 6, 7]), np.array([5, 20, 1], dtype=np.int64)
     tables = np.array([[1, 9], [3, 4], [7, 0]], dtype=np.int64)
     slots = np.array([1 * 16 + 4, 4 * 16 + 3, 7 * 16], dtype=np.int64)
-    replayed = graphs.run(ids, lens - 1, slots, lens, tables).clone()
+    replayed = graphs.run(ids, lens - 1, slots, lens, tables)
+    replayed_logits, replayed_argmax = replayed.logits.clone(), replayed.argmax.clone()
     graphs._graphs.clear()  # the same buffers and metadata, eagerly
     eager = graphs.run(ids, lens - 1, slots, lens, tables)
-    torch.testing.assert_close(replayed[:3], eager[:3], rtol=0, atol=1e-5)
+    torch.testing.assert_close(replayed_logits[:3], eager.logits[:3], rtol=0, atol=1e-4)
+    assert torch.equal(replayed_argmax[:3], eager.logits[:3].argmax(-1))
 
 
 @pytest.mark.gpu

@@ -262,11 +262,17 @@ class LlamaForCausalLM(nn.Module):
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
-        logits = linear(hidden, self.lm_head_weight, None, self.lm_head_weight_packed).float()
+    def compute_logits(  # [N, hidden] -> [N, vocab] fp32
+        self, hidden: torch.Tensor, out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``out``: an [N, vocab] fp32 tensor to write them into (a decode graph's
+        persistent output) instead of a new one."""
+        logits = linear(hidden, self.lm_head_weight, None, self.lm_head_weight_packed)
         if self.tp.size > 1:  # each rank's vocabulary rows, then the padding cut off
             logits = self.tp.all_gather_last(logits)[:, : self.config.vocab_size]
+        # the fp32 copy (a new tensor, or out) is the one every later step works on
+        logits = logits.float() if out is None else out.copy_(logits)
         cap = self.config.final_logit_softcapping
         if cap is not None:  # Gemma, in fp32 (HF: in the model's dtype)
-            logits = torch.tanh(logits / cap) * cap
+            logits = logits.div_(cap).tanh_().mul_(cap)
         return logits
