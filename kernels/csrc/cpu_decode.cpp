@@ -99,12 +99,31 @@ struct Decode {
     return first_key(b) / s.block_size * s.block_size;
   }
 
+  // Tokens [start, end) of an item's partition (start == end: an empty partition).
+  void item_span(int64_t item, int64_t& b, int64_t& start, int64_t& end) const {
+    b = item / s.num_parts;
+    start = first_partition_key(b) + (item % s.num_parts) * s.part_tokens;
+    end = std::min(seq_lens[b], start + s.part_tokens);
+  }
+
+  // The first block an item reads in `cache` (nullptr: none, or no such item).
+  const T* first_block(const T* cache, int64_t item) const {
+    if (item < 0) return nullptr;
+    int64_t b, start, end;
+    item_span(item, b, start, end);
+    if (start >= end) return nullptr;
+    const int64_t id = static_cast<int64_t>(block_tables[b * s.max_blocks + start / s.block_size]);
+    return cache + id * s.block_size * s.row_stride;
+  }
+
   // Calls fn(rows, view) for each block of tokens [start, end) of sequence b, rows
   // pointing at the block in `cache`. The first block is prefetched whole; the view of
   // each block carries the offset of the next, which the block kernels prefetch row by
-  // row as they go (prefetch_twin).
+  // row as they go (prefetch_twin); the last block's "next" is `after` (nullptr: none),
+  // the block read next in another pass, so the prefetches run on across passes.
   template <typename Fn>
-  void for_each_block(const T* cache, int64_t b, int64_t start, int64_t end, Fn&& fn) const {
+  void for_each_block(const T* cache, int64_t b, int64_t start, int64_t end, const T* after,
+                      Fn&& fn) const {
     const I* table = block_tables + b * s.max_blocks;
     const int64_t block_elems = s.block_size * s.row_stride;
     const int64_t last = (end - 1) / s.block_size;
@@ -112,18 +131,21 @@ struct Decode {
     prefetch_block(cache + static_cast<int64_t>(table[first]) * block_elems, block_elems);
     for (int64_t j = first; j <= last; ++j) {
       const int64_t here = static_cast<int64_t>(table[j]) * block_elems;
-      const int64_t next = j < last ? static_cast<int64_t>(table[j + 1]) * block_elems - here : 0;
+      const int64_t next = j < last ? static_cast<int64_t>(table[j + 1]) * block_elems - here
+                           : after != nullptr ? after - (cache + here) : 0;
       // start is a multiple of block_size, so the block's tokens sit at pos..pos + n
       fn(cache + here,
          BlockView{std::min(s.block_size, end - j * s.block_size), j * s.block_size - start, next});
     }
   }
 
-  void run_item(int64_t item, Scratch& w) const {
+  // `next_item`: the item this thread runs next (-1: none), whose first K block the last
+  // V block prefetches.
+  void run_item(int64_t item, int64_t next_item, Scratch& w) const {
     const int64_t H = s.num_heads, D = s.head_dim;
-    const int64_t b = item / s.num_parts, part = item % s.num_parts;
-    const int64_t start = first_partition_key(b) + part * s.part_tokens;
-    const int64_t end = std::min(seq_lens[b], start + s.part_tokens);
+    const int64_t part = item % s.num_parts;
+    int64_t b, start, end;
+    item_span(item, b, start, end);
     if (start >= end) {  // an empty partition of a short sequence: weight 0 in the merge
       for (int64_t h = 0; h < H; ++h) part_lse[(b * H + h) * s.num_parts + part] = kNegInf;
       return;
@@ -134,7 +156,7 @@ struct Decode {
     for (int64_t i = 0; i < H * D; ++i) q[i] = to_f32(query[b * H * D + i]) * scale;
     Query qv{q, nullptr, scale};
     if constexpr (std::is_same_v<T, uint16_t>) qv.bf16 = query + b * H * D;
-    for_each_block(k_cache, b, start, end,
+    for_each_block(k_cache, b, start, end, first_block(v_cache, item),
                    [&](const T* rows, BlockView bv) { block_scores(s, rows, bv, qv, sc); });
     float* row_max = w.stats.data();
     float* row_sum = row_max + H;
@@ -159,7 +181,7 @@ struct Decode {
       row_sum[h] = sum;
     }
     std::fill(acc, acc + H * D, 0.0f);
-    for_each_block(v_cache, b, start, end,
+    for_each_block(v_cache, b, start, end, first_block(k_cache, next_item),
                    [&](const T* rows, BlockView bv) { block_accumulate(s, rows, bv, sc, acc); });
     for (int64_t h = 0; h < H; ++h) {
       const float inv = 1.0f / row_sum[h];
@@ -195,15 +217,20 @@ struct Decode {
   }
 };
 
-// Runs body(item, scratch) for items [0, num_items) on torch's intra-op pool; each
-// thread pulls the next item from a shared counter.
+// Runs body(item, next, scratch) for items [0, num_items) on torch's intra-op pool; each
+// thread pulls items from a shared counter one ahead, so `next` (-1: none) is the item
+// it runs after this one, whose first blocks this one's last can prefetch.
 template <typename Body>
 void for_each_item(int64_t num_items, const Shape& s, const Body& body) {
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_items);
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     Scratch w(s);
-    for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) body(i, w);
+    for (int64_t i = next.fetch_add(1); i < num_items;) {
+      const int64_t j = next.fetch_add(1);
+      body(i, j < num_items ? j : -1, w);
+      i = j;
+    }
   });
 }
 
@@ -286,10 +313,11 @@ void decode_typed(const Args& a, const std::vector<int64_t>& lens) {
                          reinterpret_cast<T*>(a.out.data_ptr()),
                          s.num_parts > 1 ? part_out.data_ptr<float>() : nullptr,
                          s.num_parts > 1 ? part_lse.data_ptr<float>() : nullptr};
-  for_each_item(s.batch * s.num_parts, s, [&](int64_t item, Scratch& w) { dec.run_item(item, w); });
+  for_each_item(s.batch * s.num_parts, s,
+                [&](int64_t item, int64_t next, Scratch& w) { dec.run_item(item, next, w); });
   if (s.num_parts > 1) {
     for_each_item(s.batch * s.num_heads, s,
-                  [&](int64_t row, Scratch& w) { dec.merge_row(row, w.acc.data()); });
+                  [&](int64_t row, int64_t, Scratch& w) { dec.merge_row(row, w.acc.data()); });
   }
 }
 
