@@ -27,11 +27,13 @@ def make_runner(model_dir: Path, num_blocks: int = 256, block_size: int = 16,
                 packed: bool = True, dtype: torch.dtype = torch.float32) -> ModelRunner:
     """The production CPU path packs the linears (cpu_gemm or oneDNN: layers/linear.py), runs
     the default CPU attention backend and fused kernels (the C++ kernels where they
-    build); the plain path runs F.linear, torch's elementwise ops and the pure torch
+    build; decode steps through models/cpu_decoder_path.py where it covers the model);
+    the plain path runs F.linear, torch's elementwise ops and the pure torch
     attention backend."""
     model = load_model(model_dir, dtype)
     if packed:
         assert pack_cpu_linears(model) > 0, "weight packing did not apply on this CPU"
+        model.enable_cpu_decoder()  # as runner_builder: decode steps in one C++ call
     if not packed:  # the torch ops in place of the fused C++ norm/rotary/SiLU kernels
         for module in model.modules():
             if hasattr(module, "fused"):

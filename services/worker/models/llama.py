@@ -33,6 +33,7 @@ from services.worker.layers.linear import PackedWeight, linear, linear_silu
 from services.worker.layers.norm import RMSNorm
 from services.worker.layers.rotary import RopePlan, RotaryEmbedding
 from services.worker.model_config import ModelConfig
+from services.worker.models.cpu_decoder_path import CpuDecoderPath
 from services.worker.parallel import SINGLE, ShardSizes, TensorParallel, shard_sizes
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # per layer: k, v [blocks, block_size, kv_heads, D]
@@ -227,6 +228,15 @@ class LlamaForCausalLM(nn.Module):
         # tied embeddings share the embedding tensor (set by the loader)
         self.lm_head_weight = _weight(self.embed_tokens.weight.shape[0], config.hidden_size)
         self.rotary = rotary
+        # the CPU decode steps' one-call path, once enable_cpu_decoder found it covers
+        # every layer (None: every step runs the Python loop)
+        self.cpu_decoder_path: CpuDecoderPath | None = None
+
+    def enable_cpu_decoder(self) -> bool:
+        """Send CPU decode steps through ``cpu_decoder_path.py`` where it covers this model
+        (call after the CPU linears are packed); returns whether it does."""
+        self.cpu_decoder_path = CpuDecoderPath.build(self)
+        return self.cpu_decoder_path is not None
 
     @torch.no_grad()
     def finish_loading(self) -> None:
@@ -256,9 +266,13 @@ class LlamaForCausalLM(nn.Module):
         # dynamic / longrope: this step's length-dependent rotation, once for every layer
         # (None for static rope types); each layer's rotary uses it only if it owns it
         rope_plan = self.rotary.plan(positions, meta)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, meta, backend,
-                                     rope_plan)
+        fast = self.cpu_decoder_path
+        if fast is not None and fast.takes(meta, backend, kv_caches, rope_plan):
+            hidden, residual = fast.run(hidden, positions, kv_caches, meta)
+        else:
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                hidden, residual = layer(positions, hidden, residual, kv_cache, meta, backend,
+                                         rope_plan)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
