@@ -74,7 +74,7 @@ template <typename T>
 inline void prefetch_block(const T* rows, int64_t elems) {
   const char* p = reinterpret_cast<const char*>(rows);
   for (int64_t off = 0; off < elems * static_cast<int64_t>(sizeof(T)); off += 64)
-    __builtin_prefetch(p + off, 0, 2);
+    prefetch_read<2>(p + off);  // not __builtin_prefetch: see cpu_scalar.h
 }
 
 template <typename T, typename I>  // T: cache element (float or bf16 bits), I: table index

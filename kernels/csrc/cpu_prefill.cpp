@@ -188,9 +188,9 @@ struct Prefill {
     for (int64_t t = 0; t < n; ++t) {
       const char* k = reinterpret_cast<const char*>(cache_row(k_cache, it.seq, k0 + t, it.kv_head));
       const char* v = reinterpret_cast<const char*>(cache_row(v_cache, it.seq, k0 + t, it.kv_head));
-      for (int64_t off = 0; off < bytes; off += 64) {
-        __builtin_prefetch(k + off, 0, 2);
-        __builtin_prefetch(v + off, 0, 2);
+      for (int64_t off = 0; off < bytes; off += 64) {  // a loop of prefetches only: see
+        prefetch_read<2>(k + off);                     // cpu_scalar.h's prefetch_read
+        prefetch_read<2>(v + off);
       }
     }
   }
