@@ -5,7 +5,8 @@
 ``cpu_decode`` and ``cpu_prefill`` attention; ``csrc/cpu_decoder.cpp``) in the same
 order on the same
 tensors, so its result is bit-identical; it only leaves out the Python between them.
-It covers the plain layer (pre-norms, full rotary, SwiGLU, no window or soft cap); the
+It covers the plain layer (pre-norms, optional per-head q/k norms, full rotary, SwiGLU,
+no window or soft cap); the
 caller (``services/worker/models/cpu_decoder_path.py``) decides which models and steps
 take it. Compiled on first use; ``available()`` reports whether it and the three
 extensions it calls built.
@@ -41,6 +42,8 @@ class LayerWeights:
     post_norm: list[torch.Tensor]
     qkv: list[torch.Tensor]
     qkv_bias: list[torch.Tensor | None]
+    q_norm: list[torch.Tensor | None]  # per-head RMSNorm weights of q and k (Qwen3), or None
+    k_norm: list[torch.Tensor | None]
     o: list[torch.Tensor]
     o_bias: list[torch.Tensor | None]
     gate_up: list[torch.Tensor]  # packed for linear_silu (``cpu_gemm.pack_gated``)
@@ -93,7 +96,8 @@ def decode_layers(
     op = getattr(torch.ops, OP_NAMESPACE).decode_layers
     w = weights
     out: tuple[torch.Tensor, torch.Tensor] = op(
-        hidden, positions, w.input_norm, w.post_norm, w.qkv, w.qkv_bias, w.o, w.o_bias,
+        hidden, positions, w.input_norm, w.post_norm, w.qkv, w.qkv_bias, w.q_norm, w.k_norm,
+        w.o, w.o_bias,
         w.gate_up, w.gate_up_bias, w.down, w.down_bias, list(k_caches), list(v_caches),
         cos_cache, sin_cache, slot_mapping, block_tables, seq_lens,
         seq_lens.shape[0] if num_decodes is None else num_decodes, prefill_first,

@@ -89,7 +89,8 @@ struct Split {
 // stream before it): what the Python loop hands the final norm.
 std::tuple<Tensor, Tensor> decode_layers(
     const Tensor& hidden_in, const Tensor& positions, at::TensorList input_norm,
-    at::TensorList post_norm, at::TensorList qkv, const OptTensors& qkv_bias, at::TensorList o,
+    at::TensorList post_norm, at::TensorList qkv, const OptTensors& qkv_bias,
+    const OptTensors& q_norm, const OptTensors& k_norm, at::TensorList o,
     const OptTensors& o_bias, at::TensorList gate_up, const OptTensors& gate_up_bias,
     at::TensorList down, const OptTensors& down_bias, at::TensorList k_caches,
     at::TensorList v_caches, const Tensor& cos_cache, const Tensor& sin_cache,
@@ -98,7 +99,8 @@ std::tuple<Tensor, Tensor> decode_layers(
     at::IntArrayRef dims_in, double eps, double scale, const std::string& fused_ns,
     const std::string& gemm_ns, const std::string& decode_ns, const std::string& prefill_ns) {
   const int64_t L = static_cast<int64_t>(qkv.size());
-  for (const size_t n : {input_norm.size(), post_norm.size(), qkv_bias.size(), o.size(),
+  for (const size_t n : {input_norm.size(), post_norm.size(), qkv_bias.size(), q_norm.size(),
+                         k_norm.size(), o.size(),
                          o_bias.size(), gate_up.size(), gate_up_bias.size(), down.size(),
                          down_bias.size(), k_caches.size(), v_caches.size()})
     TORCH_CHECK_VALUE(static_cast<int64_t>(n) == L, "every per-layer list must hold ", L,
@@ -130,9 +132,17 @@ std::tuple<Tensor, Tensor> decode_layers(
       std::tie(normed, residual) = ops.add_rms_norm.call(hidden, residual, input_norm[l], eps);
     }
     const Tensor qkv_out = ops.linear.call(normed, qkv[l], d.qkv_n, qkv_bias.get(l));
-    // views of the projection, as the Python layer's split and reshapes
-    const Tensor q = qkv_out.narrow(1, 0, q_size).view({T, d.num_heads, d.head_dim});
-    const Tensor k = qkv_out.narrow(1, q_size, kv_size).view({T, d.num_kv_heads, d.head_dim});
+    // the projection's q / k / v, as the Python layer's split and reshapes
+    Tensor q = qkv_out.narrow(1, 0, q_size), k = qkv_out.narrow(1, q_size, kv_size);
+    const std::optional<Tensor> qn = q_norm.get(l), kn = k_norm.get(l);
+    if (qn.has_value() != kn.has_value())
+      TORCH_CHECK_VALUE(false, "layer ", l, ": a q norm without a k norm, or the reverse");
+    if (qn.has_value()) {  // Qwen3: per-head RMSNorm of q and k before the rotation
+      q = ops.rms_norm.call(q.reshape({T * d.num_heads, d.head_dim}), *qn, eps);
+      k = ops.rms_norm.call(k.reshape({T * d.num_kv_heads, d.head_dim}), *kn, eps);
+    }
+    q = q.reshape({T, d.num_heads, d.head_dim});
+    k = k.reshape({T, d.num_kv_heads, d.head_dim});
     const Tensor v =
         qkv_out.narrow(1, q_size + kv_size, kv_size).view({T, d.num_kv_heads, d.head_dim});
     const auto [q_rot, k_rot] = ops.rotary.call(q, k, positions, cos_cache, sin_cache);
@@ -165,7 +175,8 @@ std::tuple<Tensor, Tensor> decode_layers(
 #define PAGODA_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
 PAGODA_LIBRARY(PAGODA_OP_NS, m) {
   m.def("decode_layers(Tensor hidden, Tensor positions, Tensor[] input_norm, "
-        "Tensor[] post_norm, Tensor[] qkv, Tensor?[] qkv_bias, Tensor[] o, Tensor?[] o_bias, "
+        "Tensor[] post_norm, Tensor[] qkv, Tensor?[] qkv_bias, Tensor?[] q_norm, "
+        "Tensor?[] k_norm, Tensor[] o, Tensor?[] o_bias, "
         "Tensor[] gate_up, Tensor?[] gate_up_bias, Tensor[] down, Tensor?[] down_bias, "
         "Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor cos_cache, Tensor sin_cache, "
         "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, int num_decodes, "

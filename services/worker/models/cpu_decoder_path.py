@@ -9,8 +9,8 @@ gathers once what it needs from a model whose every layer it covers:
   rotary (whole heads, fp32 tables) and KV-cache write, ``cpu_gemm`` packed linears
   (qkv, o, down) and the SwiGLU ``linear_silu`` (gate_up packed gated), so not bf16 on
   an AMX CPU (oneDNN there) nor GeGLU;
-- plain pre-norm layers (no sandwich norms, no q/k norms), one rotary for all layers,
-  full attention without soft cap, one rank.
+- plain pre-norm layers (no sandwich norms; Qwen3's per-head q/k norms, with the layer
+  norms' eps), one rotary for all layers, full attention without soft cap, one rank.
 
 ``LlamaForCausalLM.forward`` then takes it for a step on the ``cpu`` attention backend
 (decodes through ``cpu_decode``, prefill chunks through ``cpu_prefill``, as that backend
@@ -73,8 +73,11 @@ class CpuDecoderPath:
             qkv, o = _gemm(attn.qkv_weight_packed, False), _gemm(attn.o_weight_packed, False)
             gate_up = _gemm(mlp.gate_up_weight_packed, True)
             down = _gemm(mlp.down_weight_packed, False)
+            qk_norms = (attn.q_norm, attn.k_norm)
             if (qkv is None or o is None or gate_up is None or down is None
-                    or layer.sandwich_norms or attn.q_norm is not None
+                    or layer.sandwich_norms
+                    or (qk_norms[0] is None) != (qk_norms[1] is None)
+                    or any(n is not None and not _plain_norm(n, dtype) for n in qk_norms)
                     or attn.window is not None or attn.softcap is not None
                     or attn.rotary is not rotary or mlp.gelu
                     or not _plain_norm(layer.input_layernorm, dtype)
@@ -83,11 +86,15 @@ class CpuDecoderPath:
             shapes.add((attn.num_heads, attn.num_kv_heads, attn.head_dim, qkv.out_features,
                         o.out_features, gate_up.out_features, down.out_features))
             eps.update((layer.input_layernorm.eps, layer.post_attention_layernorm.eps))
+            eps.update(n.eps for n in qk_norms if n is not None)
             scales.add(attn.scale)
             for name, value in (
                 ("input_norm", layer.input_layernorm.weight),
                 ("post_norm", layer.post_attention_layernorm.weight),
-                ("qkv", qkv.data), ("qkv_bias", attn.qkv_bias), ("o", o.data),
+                ("qkv", qkv.data), ("qkv_bias", attn.qkv_bias),
+                ("q_norm", None if attn.q_norm is None else attn.q_norm.weight),
+                ("k_norm", None if attn.k_norm is None else attn.k_norm.weight),
+                ("o", o.data),
                 ("o_bias", attn.o_bias), ("gate_up", gate_up.data),
                 ("gate_up_bias", mlp.gate_up_bias), ("down", down.data),
                 ("down_bias", mlp.down_bias),
