@@ -2,14 +2,13 @@
 
 ``decode_layers`` runs, per layer, the ops the model's Python loop runs on the CPU (the
 ``cpu_fused`` norms, rotary and KV-cache write, the ``cpu_gemm`` linears, the
-``cpu_decode`` and ``cpu_prefill`` attention; ``csrc/cpu_decoder.cpp``) in the same
-order on the same
-tensors, so its result is bit-identical; it only leaves out the Python between them.
-It covers the plain layer (pre-norms, optional per-head q/k norms, full rotary, SwiGLU,
-no window or soft cap); the
-caller (``services/worker/models/cpu_decoder_path.py``) decides which models and steps
-take it. Compiled on first use; ``available()`` reports whether it and the three
-extensions it calls built.
+``cpu_decode`` and ``cpu_prefill`` attention; ``csrc/cpu_decoder.cpp``) in the same order
+on the same tensors, so its result is bit-identical; it only leaves out the Python
+between them. It covers the plain layer (pre-norms, optional per-head q/k norms, full
+rotary, SwiGLU, no window or soft cap); the caller
+(``services/worker/models/cpu_decoder_path.py``) decides which models and steps take it.
+Compiled on first use; ``available()`` reports whether it and the four extensions it
+calls built.
 """
 
 from __future__ import annotations
@@ -97,8 +96,8 @@ def decode_layers(
     w = weights
     out: tuple[torch.Tensor, torch.Tensor] = op(
         hidden, positions, w.input_norm, w.post_norm, w.qkv, w.qkv_bias, w.q_norm, w.k_norm,
-        w.o, w.o_bias,
-        w.gate_up, w.gate_up_bias, w.down, w.down_bias, list(k_caches), list(v_caches),
+        w.o, w.o_bias, w.gate_up, w.gate_up_bias, w.down, w.down_bias, list(k_caches),
+        list(v_caches),
         cos_cache, sin_cache, slot_mapping, block_tables, seq_lens,
         seq_lens.shape[0] if num_decodes is None else num_decodes, prefill_first,
         prefill_starts, dims.as_list(), eps, scale, cpu_fused.OP_NAMESPACE,

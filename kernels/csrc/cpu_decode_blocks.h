@@ -63,7 +63,7 @@ inline void prefetch_twin(const T* row, int64_t next_delta) {
   if (next_delta == 0) return;
   const char* p = reinterpret_cast<const char*>(row + next_delta);
   for (int64_t off = 0; off < 64 * static_cast<int64_t>(sizeof(T)); off += 64)
-    __builtin_prefetch(p + off, 0, 3);
+    prefetch_read<3>(p + off);  // a loop of prefetches only: see cpu_scalar.h
 }
 
 #ifdef PAGODA_AVX512
@@ -297,7 +297,7 @@ void unsplit_row(int64_t D, float* row) {
   if constexpr (std::is_same_v<T, uint16_t>) {
     float tmp[32];
     for (int64_t d0 = 0; d0 < D; d0 += 32) {
-      const int64_t w = std::min<int64_t>(32, D - d0), odd_at = (w + 1) / 2;
+      const int64_t w = std::min<int64_t>(32, D - d0), odd_at = SplitChunk(w).odd_at;
       for (int64_t j = 0; j < w; ++j) tmp[j] = row[d0 + (j % 2 ? odd_at + j / 2 : j / 2)];
       std::copy(tmp, tmp + w, row + d0);
     }
