@@ -223,6 +223,17 @@ def test_steps_the_graphs_do_not_take(model_dir: Path) -> None:
     assert buckets == [1]
 
 
+def eager_and_padded(model_dir: Path, graph_max_bs: int,
+                     seed: int = 0) -> tuple[list[PagedDriver], list[int]]:
+    """Drivers of an eager runner and of a padded-path one (torch backend, graphs up to
+    ``graph_max_bs``), and the bucket of every step the graphs run."""
+    eager = make_runner(model_dir, TorchAttentionBackend(), None)
+    padded = make_runner(model_dir, TorchAttentionBackend(), graph_max_bs)
+    assert padded.graphs is not None
+    buckets = spy_buckets(padded.graphs)
+    return [PagedDriver(eager, seed=seed), PagedDriver(padded, seed=seed)], buckets
+
+
 def count_sampler_argmax(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The rows of every argmax the sampler itself takes (the graphs' own is not counted)."""
     seen: list[int] = []
@@ -241,11 +252,7 @@ def test_plain_greedy_decode_takes_the_graphs_argmax(model_dir: Path,
     """A plain greedy decode step takes its tokens from the graph (the LM head and the
     argmax run inside it): the sampler computes none, and the tokens and logits are the
     eager runner's."""
-    eager = make_runner(model_dir, TorchAttentionBackend(), None)
-    padded = make_runner(model_dir, TorchAttentionBackend(), 4)
-    assert padded.graphs is not None
-    buckets = spy_buckets(padded.graphs)
-    drivers = [PagedDriver(eager, seed=2), PagedDriver(padded, seed=2)]
+    drivers, buckets = eager_and_padded(model_dir, 4, seed=2)
     for d in drivers:
         d.add("a", list(range(3, 20)))
         d.add("b", list(range(30, 41)))
@@ -266,15 +273,11 @@ def test_plain_greedy_decode_takes_the_graphs_argmax(model_dir: Path,
     SamplingParams(temperature=0.0, max_tokens=None, repetition_penalty=1.3),
     SamplingParams(temperature=0.8, max_tokens=None, seed=5, top_k=20),
 ], ids=["logprobs", "penalty", "seeded-random"])
-def test_other_decode_steps_sample_the_graphs_logits(model_dir: Path, params: SamplingParams,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_other_decode_steps_sample_the_graphs_logits(model_dir: Path,
+                                                     params: SamplingParams) -> None:
     """A decode step that is not plain greedy samples eagerly from the graph's logits:
     the same tokens and logprobs as the eager runner."""
-    eager = make_runner(model_dir, TorchAttentionBackend(), None)
-    padded = make_runner(model_dir, TorchAttentionBackend(), 2)
-    assert padded.graphs is not None
-    buckets = spy_buckets(padded.graphs)
-    drivers = [PagedDriver(eager, seed=4), PagedDriver(padded, seed=4)]
+    drivers, buckets = eager_and_padded(model_dir, 2, seed=4)
     for d in drivers:
         d.add("a", list(range(3, 20)), params)
         d.add("g", list(range(50, 60)))  # plain greedy beside it
@@ -295,11 +298,7 @@ def test_length_dependent_rope_past_threshold_runs_eagerly(tmp_path: Path) -> No
     assert not needs_rope_plan(load_model(path), 32) and needs_rope_plan(load_model(path), 33)
     static = load_model(make_checkpoint(tmp_path / "static", "llama", seed=2))
     assert not needs_rope_plan(static, 10**6)
-    eager = make_runner(path, TorchAttentionBackend(), None)
-    padded = make_runner(path, TorchAttentionBackend(), 4)
-    assert padded.graphs is not None
-    buckets = spy_buckets(padded.graphs)
-    drivers = [PagedDriver(eager), PagedDriver(padded)]
+    drivers, buckets = eager_and_padded(path, 4)
     for d in drivers:
         d.add("a", list(range(3, 33)))  # 30 tokens
         d.add("b", list(range(40, 50)))
