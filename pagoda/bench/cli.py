@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import sys
 import threading
@@ -175,16 +176,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             warm_up,
         )
         from pagoda.llm import LLM
+        from shared.heap import freeze_startup_heap
 
         llm = LLM(str(model_dir), **_engine_settings(args))
         work = load_workload(args, model_dir, llm.tokenizer)
         warm_up(llm, work)
+        # as the worker process does once it is built (shared/heap.py); undone before the
+        # engine is dropped, so its memory is freed for the baselines
+        freeze_startup_heap()
         records, scheduler = run_offline(llm, work, args.request_rate, args.max_concurrency,
                                          args.seed, progress)
         if "vllm" in baselines or args.roofline:  # batch-1 latencies, as vLLM's are measured
             bs1 = measure_bs1(llm, bs1_probe(work), BS1_OUTPUT)
         max_model_len = llm.engine.max_model_len
         llm.close()
+        gc.unfreeze()
         del llm  # free its KV cache before the baseline loads another copy of the model
         _release_memory()
         if args.online:  # the same requests through pagoda serve, after the offline run
@@ -235,8 +241,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def _release_memory() -> None:
     """Hands a dropped engine's memory back (its CUDA blocks too, for the next model)."""
-    import gc
-
     import torch
 
     gc.collect()

@@ -30,6 +30,7 @@ from pagoda.bench.baseline_hf import bench_hf_static
 from pagoda.bench.workload import Workload, make_workload
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
 from shared.config import EngineSettings
+from shared.heap import freeze_startup_heap
 from shared.protocol import StepBatch, StepResult
 from shared.sampling_params import SamplingParams
 
@@ -74,8 +75,7 @@ def bench_step(num_running: int, steps: int, seed: int = 0) -> float:
     sched.update(batch, runner.execute(batch))
     # as the scheduler process does after start-up: the block pool and the long-lived
     # request state leave the collector's generations (see services/scheduler/main.py)
-    gc.collect()
-    gc.freeze()
+    freeze_startup_heap()
     times = []
     for _ in range(steps):
         # the scheduler's own work: schedule() and update(), not the stand-in runner

@@ -19,7 +19,6 @@ starts with a complete core and never holds a half-built one.
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 import threading
 import time
@@ -35,6 +34,7 @@ from services.scheduler.structured_output import StructuredOutputManager
 from shared.codec import MalformedFrameCounter, safe_decode
 from shared.config import PagodaConfig
 from shared.curve import ZapAuthenticator, start_authenticator
+from shared.heap import freeze_startup_heap
 from shared.ipc import make_socket, wait_for_subscribers
 from shared.protocol import WORKER_TO_SCHEDULER, WorkerReady
 
@@ -147,8 +147,6 @@ def wait_for_workers(
         strict_invariants=config.process.testing,
         enable_kv_events=sockets.kv_events is not None,
     ), structured_output=structured_output)
-    # the block pool and request table are long-lived: keep them out of the
-    # collector's generations so a full collection does not stall a step
-    gc.collect()
-    gc.freeze()
+    # the block pool and request table live as long as the process (shared/heap.py)
+    freeze_startup_heap()
     return scheduler

@@ -45,6 +45,7 @@ from services.tokenizer.tool_calls import ToolCalling
 from shared.codec import MalformedFrameCounter
 from shared.config import ConfigError, PagodaConfig, add_arguments, load_config
 from shared.curve import CurveKeys, start_authenticator
+from shared.heap import freeze_startup_heap
 from shared.ipc import report_ready
 
 log = logging.getLogger("pagoda.frontend")
@@ -153,6 +154,7 @@ async def _run(config: PagodaConfig, ready_fd: int | None, signals: _Signals) ->
         # the engine link's receive loop dying ends the process like an API loop's end
         serving.append(asyncio.create_task(engine.failed.wait(), name="engine-link-failed"))
         native = config.endpoints.frontend_native[proc.frontend_index]
+        freeze_startup_heap()  # the tokenizer and the web app live as long as the process
         print(f"pagoda frontend {frontend_id} ready: native API at {native}, "
               f"max_model_len {limits.max_model_len}", flush=True)
         if ready_fd is not None:

@@ -41,6 +41,7 @@ from shared.codec import MalformedFrameCounter, encode, safe_decode
 from shared.config import ConfigError, PagodaConfig, add_arguments, load_config, require_model_dir
 from shared.curve import CurveKeys
 from shared.faults import FaultPoint
+from shared.heap import freeze_startup_heap
 from shared.ipc import make_socket, report_ready
 from shared.protocol import SCHEDULER_TO_WORKER, WorkerHeartbeat, WorkerReady
 
@@ -113,6 +114,7 @@ def run_worker(config: PagodaConfig, ready_fd: int | None = None,
         destroy_tensor_parallel(tp)
         raise
     runner = built.runner
+    freeze_startup_heap()  # the model and runner live as long as the process
     counter = MalformedFrameCounter(log)
     ctx: zmq.Context[Any] = zmq.Context()
     hwm, curve = config.process.socket_hwm, config.process.load_curve_keys()
