@@ -203,17 +203,24 @@ def test_strided_weight_and_bias(gemm: Build, dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_thread_count_does_not_change_results(dtype: torch.dtype) -> None:
+    """Threads split the panel groups: however many (more than the cores, 3 and 5, too),
+    every group of every 256-row block (513 rows: three) runs once, with the same sums."""
     _, b, packed = _weights(NATIVE, 3072, 576, dtype)
+    w_gated = torch.randn(2 * 1536, 576).to(dtype)
+    gated = cpu_gemm.pack_gated(w_gated)
     threads = torch.get_num_threads()
     outs = []
     try:
-        for t in (1, max(2, threads)):
+        for t in (1, max(2, threads), 3, 5):
             torch.set_num_threads(t)
             outs.append([cpu_gemm.linear(_x(m, 576, dtype), packed, 3072, b)
-                         for m in (1, 8, 17, 300)])
+                         for m in (1, 8, 17, 300, 513)]
+                        + [cpu_gemm.linear_silu(_x(m, 576, dtype), gated, 1536, None)
+                           for m in (64, 513)])
     finally:
         torch.set_num_threads(threads)
-    assert all(torch.equal(a, c) for a, c in zip(*outs, strict=True))
+    for other in outs[1:]:
+        assert all(torch.equal(a, c) for a, c in zip(outs[0], other, strict=True))
 
 
 @pytest.mark.parametrize("n,k", [(50, 5), (48, 4), (1, 1), (97, 2)])
