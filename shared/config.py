@@ -460,7 +460,8 @@ SETTINGS: tuple[Setting, ...] = (
             "CPU nice value (0-19) serve gives the scheduler and frontends, below the "
             "worker's; 0: the same as the worker"),
     Setting("startup_timeout_s", "process", float, _PROC.startup_timeout_s,
-            "seconds to wait for a child process to report ready"),
+            "seconds to wait for a child process to report ready (and a frontend, for "
+            "the engine's first answer before it fails the requests it holds)"),
     Setting("shutdown_timeout_s", "process", float, _PROC.shutdown_timeout_s,
             "seconds to drain on SIGTERM"),
     Setting("step_timeout_s", "process", float, _PROC.step_timeout_s,

@@ -19,6 +19,13 @@ silence means it is gone (killed, hung, unreachable): after ``SCHEDULER_SILENCE_
 without a word while requests are in flight, every one of them fails with
 ``engine_error`` here (its client gets a 500, or an SSE error event then ``[DONE]``)
 instead of waiting for outputs that will never come.
+
+Until the scheduler has answered once, the engine is starting (a worker loads its model
+and may compile its kernels first, a minute on a fresh machine): requests sent meanwhile
+wait in the DEALER's queue, which ZMQ delivers once the scheduler binds, and are served
+then. Only past ``startup_s`` (the process's ``startup_timeout_s``) from this client's
+start do they fail, saying the engine did not start. /health answers 503 ("no answer from
+the scheduler yet") all that time.
 """
 
 from __future__ import annotations
@@ -55,6 +62,7 @@ from shared.sampling_params import SamplingParams
 log = logging.getLogger("pagoda.frontend.engine")
 HEARTBEAT_S = 1.0
 SCHEDULER_SILENCE_S = 10.0  # ten missed heartbeat answers: the scheduler is gone
+ENGINE_STARTUP_S = 300.0  # before its first answer (shared.config's startup_timeout_s)
 
 
 class EngineClient:
@@ -71,6 +79,7 @@ class EngineClient:
         stats: EngineStatsView | None = None,
         heartbeat_s: float = HEARTBEAT_S,
         silence_s: float = SCHEDULER_SILENCE_S,
+        startup_s: float = ENGINE_STARTUP_S,
         curve: CurveKeys | None = None,
         fault: str | None = None,
     ) -> None:
@@ -79,7 +88,9 @@ class EngineClient:
         self.outputs = OutputProcessor()
         self._heartbeat_s = heartbeat_s
         self._silence_s = silence_s
+        self._startup_s = startup_s
         self._last_heard = time.monotonic()  # the scheduler's last message (or our start)
+        self._heard = False  # whether the scheduler ever answered: else it is starting
         self._heartbeat_task: asyncio.Task[None] | None = None
         opts: dict[str, Any] = {} if hwm is None else {"sndhwm": hwm, "rcvhwm": hwm}
         self._sock = make_socket(ctx, zmq.DEALER, address, identity=frontend_id.encode(),
@@ -170,9 +181,10 @@ class EngineClient:
 
     async def _check_silence(self) -> None:
         silent = time.monotonic() - self._last_heard
-        if silent <= self._silence_s or not len(self.outputs):
+        if silent <= (self._silence_s if self._heard else self._startup_s) or not len(self.outputs):
             return
-        why = f"the scheduler has not answered for {silent:.0f} s"
+        why = (f"the scheduler has not answered for {silent:.0f} s" if self._heard else
+               f"the engine did not start: no answer from the scheduler in {silent:.0f} s")
         failed = self.outputs.fail_all("engine_error", why)
         log.error("%s: failed the %d request(s) in flight", why, len(failed))
         if failed:  # aborts for a scheduler that may come back, so it frees their blocks
@@ -207,6 +219,7 @@ class EngineClient:
                 log.warning("scheduler link receive failed: %s", e)
                 continue
             self._last_heard = time.monotonic()
+            self._heard = True
             self._message_fault.step()
             msg = safe_decode(frames, SCHEDULER_TO_FRONTEND, self._counter)
             if msg is not None:

@@ -142,7 +142,8 @@ async def _run(config: PagodaConfig, ready_fd: int | None, signals: _Signals) ->
     authenticator = start_authenticator(ctx, curve)  # before the native API binds
     stats = EngineStatsView(frontend_id, counter)
     engine = EngineClient(ctx, config.endpoints.scheduler_frontend, frontend_id, counter,
-                          hwm=proc.socket_hwm, stats=stats, curve=curve, fault=proc.fault)
+                          hwm=proc.socket_hwm, stats=stats, startup_s=proc.startup_timeout_s,
+                          curve=curve, fault=proc.fault)
     core = FrontendCore(frontend_id, processor, engine, counter, stats,
                         served_model_names(config.engine.model, proc.served_model_name),
                         ToolCalling.from_setting(proc.tool_call_parser, processor.tokenizer))
