@@ -157,6 +157,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     mode, progress = _mode(args), not args.no_progress
     baselines = set(args.baseline or ())
     bs1: dict[str, float] | None = None
+    bs1_bandwidth: list[float] = []  # read bandwidth just before and just after the bs1 probe
     cpu: dict[str, float | None] | None = None  # a launched run's CPU seconds by role
     online: tuple[list[Any], dict[str, Any], dict[str, float | None] | None] | None = None
     max_model_len = 0  # the offline engine's, which the vLLM baseline is given too
@@ -187,7 +188,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         records, scheduler = run_offline(llm, work, args.request_rate, args.max_concurrency,
                                          args.seed, progress)
         if "vllm" in baselines or args.roofline:  # batch-1 latencies, as vLLM's are measured
+            if args.roofline:  # the probe's floor: the bandwidth of the moment around it
+                from pagoda.bench.roofline import measure_read_bandwidth
+
+                bs1_bandwidth = [measure_read_bandwidth(engine_device(args))]
             bs1 = measure_bs1(llm, bs1_probe(work), BS1_OUTPUT)
+            if args.roofline:
+                bs1_bandwidth.append(measure_read_bandwidth(engine_device(args)))
         max_model_len = llm.engine.max_model_len
         llm.close()
         gc.unfreeze()
@@ -227,14 +234,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         add_online(report, online[0], online[2], {"transport": "http", "frontends": args.frontends,
                                                   "max_concurrency": args.max_concurrency})
     if roofline_machine is not None:
-        from pagoda.bench.roofline import ceiling, count_parameters, matmul_parameters
+        from pagoda.bench.roofline import bs1_floor, ceiling, count_parameters, matmul_parameters
 
         bytes_per_param = 4 if dtype == "float32" else 2
         layer_params, lm_head_params = matmul_parameters(model_dir)
         roof = ceiling(roofline_machine, count_parameters(model_dir), bytes_per_param,
                        report["pagoda"], layer_params, lm_head_params)
-        # batch-1 TPOT against its floor: one read of every weight at the measured bandwidth
-        roof["bs1_tpot_vs_weights_read"] = bs1["tpot_s"] / roof["weights_read_s"] if bs1 else None
+        if bs1 and bs1_bandwidth:
+            roof.update(bs1_floor(bs1["tpot_s"], roof, bs1_bandwidth))
         report["roofline"] = roof
     return report
 

@@ -151,8 +151,9 @@ def format_text(report: dict[str, Any]) -> str:
         if r.get("bs1_tpot_vs_weights_read") is not None:
             lines.append(f"  bs1 TPOT {_f(p['bs1']['tpot_s'] * 1e3, 2)} ms = "
                          f"{_f(r['bs1_tpot_vs_weights_read'], 2)}x one read of the weights "
-                         f"({_f(r['weights_read_s'] * 1e3, 2)} ms at "
-                         f"{r['mem_read_bytes_s'] / 1e9:.1f} GB/s)")
+                         f"({_f(r['bs1_weights_read_s'] * 1e3, 2)} ms at "
+                         f"{r['bs1_mem_read_bytes_s'] / 1e9:.1f} GB/s, measured around the probe: "
+                         + ", ".join(f"{b / 1e9:.1f}" for b in r["bs1_mem_read_samples"]) + ")")
         lines.append(f"  ({r['definition']})")
     return "\n".join(lines)
 

@@ -157,3 +157,15 @@ def ceiling(machine: dict[str, Any], params: int, bytes_per_param: int, summary:
         "weights_read_s": step_weights,  # the floor of a batch-1 decode step (TPOT)
         "definition": CEILING_DEFINITION,
     }
+
+
+def bs1_floor(tpot_s: float, roof: dict[str, Any], bandwidths: list[float]) -> dict[str, Any]:
+    """Batch-1 TPOT against its floor, one read of every weight, at the read bandwidth
+    measured just before and just after the batch-1 probe (their mean): a VM's bandwidth
+    drifts by 2x over minutes, so the run-start figure (``mem_read_bytes_s``) can belong
+    to another moment than the probe's."""
+    bandwidth = sum(bandwidths) / len(bandwidths)
+    floor_s = roof["params"] * roof["bytes_per_param"] / bandwidth
+    return {"bs1_mem_read_bytes_s": bandwidth, "bs1_mem_read_samples": list(bandwidths),
+            "bs1_weights_read_s": floor_s, "bs1_tpot_vs_weights_read": tpot_s / floor_s}
+
