@@ -93,7 +93,7 @@ def write_kv_cache(
     _ops().write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
 
 
-def argmax_rows(x: torch.Tensor) -> torch.Tensor:  # [R, V] float32 -> [R] int64
-    """``x.argmax(dim=-1)`` of a 2-D fp32 CPU tensor whose last dim has stride 1: the first
-    index of the largest value, a NaN counting as the largest (as torch)."""
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:  # [R, V] float32 / bfloat16 -> [R] int64
+    """``x.argmax(dim=-1)`` of a 2-D fp32 or bf16 CPU tensor whose last dim has stride 1:
+    the first index of the largest value, a NaN counting as the largest (as torch)."""
     return _ops().argmax_rows(x)

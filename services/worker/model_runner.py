@@ -215,8 +215,9 @@ class ModelRunner:
             hidden = self._forward(flat)
             prompt_logprobs = (self._prompt_logprobs(flat, hidden)
                                if self._prompt_logprobs_ids else [])
+            # the model's dtype for the sampler; fp32 for a caller that keeps them
             logits = (self.model.compute_logits(
-                hidden.index_select(0, self._upload(flat.logit_indices)))
+                hidden.index_select(0, self._upload(flat.logit_indices)), fp32=keep_logits)
                 if flat.sample_rows else None)
         for state, n in zip(flat.order, np.diff(flat.query_start_loc).tolist()):
             state.num_computed_tokens += n

@@ -383,8 +383,16 @@ def test_argmax_rows_matches_torch(case: tuple[str, torch.Tensor]) -> None:
     assert torch.equal(cpu_fused.argmax_rows(x), x.argmax(dim=-1))
 
 
-@pytest.mark.parametrize("bad", [torch.zeros(3, 4).bfloat16(), torch.zeros(3), torch.zeros(3, 0),
-                                 torch.zeros(4, 3).t()], ids=["bf16", "1-D", "empty", "transposed"])
+@pytest.mark.parametrize("case", _argmax_cases(), ids=lambda c: c[0])
+def test_argmax_rows_of_bf16_is_the_argmax_of_its_fp32_copy(case: tuple[str, torch.Tensor]) -> None:
+    """A greedy step's bf16 logits go to the kernel as they are: the same index as the
+    fp32 copy it used to make (rounding to bf16 makes many more ties: the first wins)."""
+    x = case[1].bfloat16()
+    assert torch.equal(cpu_fused.argmax_rows(x), x.float().argmax(dim=-1))
+
+
+@pytest.mark.parametrize("bad", [torch.zeros(3, 4).half(), torch.zeros(3), torch.zeros(3, 0),
+                                 torch.zeros(4, 3).t()], ids=["fp16", "1-D", "empty", "transposed"])
 def test_argmax_rows_rejects(bad: torch.Tensor) -> None:
     with pytest.raises(ValueError):
         cpu_fused.argmax_rows(bad)

@@ -72,6 +72,23 @@ def test_greedy_is_argmax_in_fast_and_general_paths() -> None:
     assert tokens[1::2] == expected[1::2]
 
 
+def test_bf16_logits_sample_as_their_fp32_copy_does() -> None:
+    """The runner hands the sampler the LM head's bf16 logits (no fp32 copy): the plain
+    greedy path takes their argmax as they are, the general path widens them; tokens and
+    logprobs are those of the fp32 copy, seeded draws included."""
+    torch.manual_seed(3)
+    logits = torch.randn(12, 4000).bfloat16()  # bf16 rounding makes ties: the first wins
+    greedy = [row(temperature=0.0) for _ in range(12)]
+    assert sample(logits, greedy)[0] == sample(logits.float(), greedy)[0]
+    assert sample(logits, greedy)[0] == logits.float().argmax(dim=-1).tolist()
+    mixed = [row(temperature=0.0, logprobs=2) if i % 3 == 0 else
+             row(temperature=0.8, top_p=0.9, seed=i, logprobs=1) if i % 3 == 1 else
+             row(temperature=0.0, repetition_penalty=1.5, output=[7, 9]) for i in range(12)]
+    tokens, logprobs = sample(logits, mixed, seed=5)
+    tokens_fp32, logprobs_fp32 = sample(logits.float(), mixed, seed=5)
+    assert tokens == tokens_fp32 and logprobs == logprobs_fp32
+
+
 def test_sampler_does_not_modify_the_logits() -> None:
     torch.manual_seed(1)
     logits = torch.randn(3, 50)

@@ -276,17 +276,22 @@ class LlamaForCausalLM(nn.Module):
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
-    def compute_logits(  # [N, hidden] -> [N, vocab] fp32
-        self, hidden: torch.Tensor, out: torch.Tensor | None = None,
+    def compute_logits(  # [N, hidden] -> [N, vocab] fp32 (or the model's dtype)
+        self, hidden: torch.Tensor, out: torch.Tensor | None = None, *, fp32: bool = True,
     ) -> torch.Tensor:
         """``out``: an [N, vocab] fp32 tensor to write them into (a decode graph's
-        persistent output) instead of a new one."""
+        persistent output) instead of a new one. ``fp32=False``: the LM head's output as it
+        is, for the sampler, which widens them itself where it needs fp32 (the same values:
+        widening is exact) and takes a greedy step's argmax without the copy; a soft-capped
+        model's are fp32 either way."""
         logits = linear(hidden, self.lm_head_weight, None, self.lm_head_weight_packed)
         if self.tp.size > 1:  # each rank's vocabulary rows, then the padding cut off
             logits = self.tp.all_gather_last(logits)[:, : self.config.vocab_size]
+        cap = self.config.final_logit_softcapping
+        if out is None and not fp32 and cap is None:
+            return logits
         # the fp32 copy (a new tensor, or out) is the one every later step works on
         logits = logits.float() if out is None else out.copy_(logits)
-        cap = self.config.final_logit_softcapping
         if cap is not None:  # Gemma, in fp32 (HF: in the model's dtype)
             logits = logits.div_(cap).tanh_().mul_(cap)
         return logits
