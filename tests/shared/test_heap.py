@@ -27,7 +27,8 @@ def test_live_objects_are_frozen_and_later_cycles_still_collected(unfrozen: None
     built_at_startup: list[object] = [{"block": 1}]
     assert _tracked(built_at_startup)
     frozen = freeze_startup_heap()
-    assert frozen == gc.get_freeze_count() > 0
+    # a frozen object that dies leaves the count (other tests' threads free theirs)
+    assert frozen > 0 and gc.get_freeze_count() > 0
     assert not _tracked(built_at_startup)  # out of every generation a collection walks
 
     class Node:
