@@ -20,6 +20,7 @@ import gc
 import json
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -158,6 +159,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     baselines = set(args.baseline or ())
     bs1: dict[str, float] | None = None
     bs1_bandwidth: list[float] = []  # read bandwidth just before and just after the bs1 probe
+    start_s: float | None = None  # the offline engine's construction (model load, KV pool)
     cpu: dict[str, float | None] | None = None  # a launched run's CPU seconds by role
     online: tuple[list[Any], dict[str, Any], dict[str, float | None] | None] | None = None
     max_model_len = 0  # the offline engine's, which the vLLM baseline is given too
@@ -179,7 +181,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         from pagoda.llm import LLM
         from shared.heap import freeze_startup_heap
 
+        started = time.perf_counter()  # as the vLLM baseline times its LLM()
         llm = LLM(str(model_dir), **_engine_settings(args))
+        start_s = time.perf_counter() - started
         work = load_workload(args, model_dir, llm.tokenizer)
         warm_up(llm, work)
         # as the worker process does once it is built (shared/heap.py); undone before the
@@ -229,7 +233,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "max_concurrency": args.max_concurrency, "engine": _engine_settings(args),
         "engine_dtype": dtype, "engine_device": engine_device(args),
     }
-    report = build_report(config, records, scheduler, hf, vllm=vllm, bs1=bs1, cpu=cpu)
+    report = build_report(config, records, scheduler, hf, vllm=vllm, bs1=bs1, cpu=cpu,
+                          start_s=start_s)
     if online is not None:
         add_online(report, online[0], online[2], {"transport": "http", "frontends": args.frontends,
                                                   "max_concurrency": args.max_concurrency})

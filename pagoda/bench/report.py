@@ -22,9 +22,12 @@ LATENCIES = (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s",
 def build_report(config: dict[str, Any], records: list[RequestRecord], scheduler: dict[str, Any],
                  hf: dict[str, Any] | None = None, roofline: dict[str, Any] | None = None,
                  *, vllm: dict[str, Any] | None = None, bs1: dict[str, float] | None = None,
-                 cpu: dict[str, float | None] | None = None) -> dict[str, Any]:
-    """``cpu``: a launched stack's CPU seconds by role during the run (``CpuMeter``)."""
-    pagoda = {**summarize(records), "scheduler": scheduler, "bs1": bs1, "cpu_s": cpu}
+                 cpu: dict[str, float | None] | None = None,
+                 start_s: float | None = None) -> dict[str, Any]:
+    """``cpu``: a launched stack's CPU seconds by role during the run (``CpuMeter``);
+    ``start_s``: the offline engine's construction time (as vLLM's ``start_s``)."""
+    pagoda = {**summarize(records), "scheduler": scheduler, "bs1": bs1, "cpu_s": cpu,
+              "start_s": start_s}
     comparison = None
     vs_vllm = None
     if vllm is not None:
@@ -34,6 +37,7 @@ def build_report(config: dict[str, Any], records: list[RequestRecord], scheduler
             # < 1 is faster
             "bs1_ttft_ratio": _ratio(bs1["ttft_s"], vllm["bs1_ttft_s"]) if bs1 else None,
             "bs1_tpot_ratio": _ratio(bs1["tpot_s"], vllm["bs1_tpot_s"]) if bs1 else None,
+            "start_ratio": _ratio(start_s, vllm.get("start_s")),  # < 1 starts faster
         }
     if hf is not None:
         bs1 = hf.get("one_at_a_time")
@@ -137,8 +141,10 @@ def format_text(report: dict[str, Any]) -> str:
                      f"{_f(v['bs1_ttft_s'] * 1e3)} ms, TPOT {_f(v['bs1_tpot_s'] * 1e3)} ms, "
                      f"start {_f(v['start_s'])} s")
         if b:
+            start = p.get("start_s")
             lines.append(f"  pagoda:   bs1 TTFT {_f(b['ttft_s'] * 1e3)} ms, TPOT "
-                         f"{_f(b['tpot_s'] * 1e3)} ms")
+                         f"{_f(b['tpot_s'] * 1e3)} ms"
+                         + (f", start {_f(start)} s" if start is not None else ""))
         lines.append(f"  pagoda / vLLM output tok/s: {_f(vs['output_tok_s_ratio'], 2)}x; bs1 TTFT "
                      f"{_f(vs['bs1_ttft_ratio'], 2)}, TPOT {_f(vs['bs1_tpot_ratio'], 2)} (< 1 faster)")
     r = report["roofline"]

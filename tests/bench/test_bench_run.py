@@ -46,6 +46,7 @@ def test_offline_bench_writes_consistent_json_and_png(tiny_llama_dir: Path, tmp_
     assert p["output_tok_s"] == pytest.approx(p["output_tokens"] / p["duration_s"])
     assert p["total_tok_s"] == pytest.approx((p["output_tokens"] + p["prompt_tokens"]) / p["duration_s"])
     assert p["requests_s"] == pytest.approx(5 / p["duration_s"])
+    assert p["start_s"] > 0  # the offline engine's construction, as vLLM's start_s
     assert p["mean_in_flight"] <= 3 + 1e-9  # the concurrency limit held
     for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
         d = p[key]

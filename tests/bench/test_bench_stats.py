@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pagoda.bench.report import build_report, format_text
 from pagoda.bench.roofline import ceiling, count_parameters, matmul_parameters
 from pagoda.bench.runner_online import parse_prometheus
 from pagoda.bench.stats import (
@@ -64,6 +65,27 @@ def test_summarize_known_run() -> None:
     assert s["ttft_s"]["p50"] == 1.0 and s["ttft_s"]["count"] == 2
     assert s["tpot_s"]["mean"] == pytest.approx((0.5 + 2.0) / 2)
     assert s["itl_s"]["count"] == 3 and s["e2e_s"]["p50"] == 2.5
+
+
+def test_report_puts_pagoda_beside_vllm_start_included() -> None:
+    """The vLLM comparison: throughput, batch-1 latencies and engine start-up, each as
+    pagoda / vLLM, and the text prints both engines' figures."""
+    run = [RequestRecord(10, 4, start=0.0, chunks=[(1.0, 1), (2.0, 3)])]
+    vllm = {"output_tok_s": 1.0, "bs1_ttft_s": 0.04, "bs1_tpot_s": 0.01, "start_s": 60.0,
+            "token_ids": [[1, 2]]}
+    scheduler = {"kv_usage_peak": 0.1, "num_preemptions": 0, "prefix_cache_hits": 0,
+                 "prefix_cache_queries": 10, "prefix_cache_hit_rate": 0.0}
+    report = build_report({"mode": "offline", "model": "m"}, run, scheduler, vllm=vllm,
+                          bs1={"ttft_s": 0.01, "tpot_s": 0.005}, start_s=6.0)
+    assert report["pagoda"]["start_s"] == 6.0
+    assert "token_ids" not in report["baseline_vllm"]
+    vs = report["comparison_vllm"]
+    assert vs["output_tok_s_ratio"] == 2.0 and vs["start_ratio"] == pytest.approx(0.1)
+    assert vs["bs1_ttft_ratio"] == pytest.approx(0.25) and vs["bs1_tpot_ratio"] == pytest.approx(0.5)
+    text = format_text(report)
+    assert "vLLM CPU:" in text and "start 60.0 s" in text
+    assert "TPOT 5.0 ms, start 6.0 s" in text  # pagoda's line
+    assert build_report({}, run, {}, vllm=vllm)["comparison_vllm"]["start_ratio"] is None
 
 
 def test_throughput_over_time_conserves_tokens() -> None:
