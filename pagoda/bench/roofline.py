@@ -168,4 +168,3 @@ def bs1_floor(tpot_s: float, roof: dict[str, Any], bandwidths: list[float]) -> d
     floor_s = roof["params"] * roof["bytes_per_param"] / bandwidth
     return {"bs1_mem_read_bytes_s": bandwidth, "bs1_mem_read_samples": list(bandwidths),
             "bs1_weights_read_s": floor_s, "bs1_tpot_vs_weights_read": tpot_s / floor_s}
-

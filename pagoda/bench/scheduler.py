@@ -74,7 +74,7 @@ def bench_step(num_running: int, steps: int, seed: int = 0) -> float:
     batch = sched.schedule()  # one step prefills everything
     sched.update(batch, runner.execute(batch))
     # as the scheduler process does after start-up: the block pool and the long-lived
-    # request state leave the collector's generations (see services/scheduler/main.py)
+    # request state leave the collector's generations (shared/heap.py)
     freeze_startup_heap()
     times = []
     for _ in range(steps):

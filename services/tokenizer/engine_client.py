@@ -45,6 +45,7 @@ import zmq.asyncio
 from services.tokenizer.engine_stats import EngineStatsView
 from services.tokenizer.output_processor import OutputProcessor, RequestState
 from shared.codec import MalformedFrameCounter, encode, safe_decode
+from shared.config import ProcessSettings
 from shared.curve import CurveKeys
 from shared.faults import FaultPoint
 from shared.ipc import make_socket
@@ -62,7 +63,7 @@ from shared.sampling_params import SamplingParams
 log = logging.getLogger("pagoda.frontend.engine")
 HEARTBEAT_S = 1.0
 SCHEDULER_SILENCE_S = 10.0  # ten missed heartbeat answers: the scheduler is gone
-ENGINE_STARTUP_S = 300.0  # before its first answer (shared.config's startup_timeout_s)
+ENGINE_STARTUP_S = ProcessSettings.startup_timeout_s  # the wait for its first answer
 
 
 class EngineClient:
