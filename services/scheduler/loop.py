@@ -313,8 +313,14 @@ class SchedulerLoop:
     def _abort(self, iids: list[str], index: int | None = None) -> None:
         if self._in_flight:
             self._deferred_aborts.append((iids, index))
-        else:
-            self._send_outputs(self.scheduler.abort_request(iids, index))
+            return
+        sched = self.scheduler
+        had_work = sched.has_unfinished_requests()
+        self._send_outputs(sched.abort_request(iids, index))
+        # between steps an abort can empty the scheduler with no step left to end: say
+        # so here, as a step's end would (operators and tests read the idle line)
+        if had_work and not sched.has_unfinished_requests():
+            self._log_idle()
 
     def engine_stats(self) -> EngineStats:
         sched = self.scheduler

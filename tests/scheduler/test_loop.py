@@ -11,6 +11,7 @@ watchdog fails every request with ``engine_error`` and exits 1 when a step never
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -128,7 +129,9 @@ def stack_factory() -> Iterator[Any]:
     ctx: zmq.Context[Any] = zmq.Context()
     dirs = contextlib.ExitStack()
 
-    def start(hold_s: float, step_timeout_s: float = 60.0, async_scheduling: bool = True) -> Stack:
+    def start(hold_s: float, step_timeout_s: float = 60.0, async_scheduling: bool = True,
+              run_loop: bool = True) -> Stack:
+        """``run_loop=False``: the loop is built but not run; the test drives it."""
         run_dir = dirs.enter_context(private_run_dir())
         endpoints = Endpoints.local(run_dir)
         config = load_config({"block_size": BLOCK_SIZE, "step_timeout_s": step_timeout_s,
@@ -149,8 +152,9 @@ def stack_factory() -> Iterator[Any]:
             finally:
                 sockets.close()
 
-        thread = threading.Thread(target=run, daemon=True)
-        thread.start()
+        thread = threading.Thread(target=run if run_loop else sockets.close, daemon=True)
+        if run_loop:
+            thread.start()
         frontend = make_socket(ctx, zmq.DEALER, endpoints.scheduler_frontend, identity=b"fe-1")
         stack = Stack(loop, worker, frontend, stop, result, thread)
         started.append(stack)
@@ -161,7 +165,10 @@ def stack_factory() -> Iterator[Any]:
         stack.stop.set()
         stack.worker.release.set()
         stack.worker.stop.set()
-        stack.thread.join(10)
+        if stack.thread.ident is None:  # never run: the test drove the loop itself
+            stack.thread.run()  # closes the loop's sockets here
+        else:
+            stack.thread.join(10)
         stack.frontend.close(linger=0)
     dirs.close()
     ctx.term()
@@ -214,6 +221,37 @@ def test_abort_mid_step_is_applied_at_that_steps_update(stack_factory: Any) -> N
     stack.send(Heartbeat("fe-1"))
     stats, _ = stack.recv_until(EngineStats)
     assert stats.finished_abort == 1
+
+
+def test_an_abort_between_steps_that_empties_the_scheduler_logs_idle(
+        stack_factory: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """With no step in flight an abort applies at once; when it takes the last request,
+    the idle line (which operators and the live-stack tests read) is logged then, since
+    no step's end will log it. Seen in CI: the last of two streams closed between steps."""
+    stack = stack_factory(hold_s=5.0, run_loop=False)
+    loop, sched = stack.loop, stack.loop.scheduler
+    deadline = time.monotonic() + 10
+    stack.send(add("r1"))
+    while not sched.has_unfinished_requests() and time.monotonic() < deadline:
+        loop._serve(50)  # the test drives the loop here
+    assert sched.has_unfinished_requests()
+    with caplog.at_level(logging.INFO, logger="pagoda.scheduler"):
+        stack.send(AbortRequest(["r1"]))
+        while sched.has_unfinished_requests() and time.monotonic() < deadline:
+            loop._serve(50)
+    assert not loop._in_flight, "no step ran"
+    idle = [r.getMessage() for r in caplog.records if r.getMessage().startswith("idle:")]
+    assert len(idle) == 1 and "running=0 waiting=0 kv_usage=0.0000" in idle[0], idle
+    outputs, _ = stack.recv_until(EngineOutputs)
+    assert [(o.request_id, o.finish_reason) for o in outputs.outputs] == [("r1", "abort")]
+    # an abort of nothing while idle logs nothing more
+    with caplog.at_level(logging.INFO, logger="pagoda.scheduler"):
+        stack.send(AbortRequest(["r1"]))
+        stack.send(Heartbeat("fe-1"))  # answered once both were taken (one pipe, in order)
+        while not stack.frontend.poll(0, zmq.POLLIN) and time.monotonic() < deadline:
+            loop._serve(50)
+        stack.recv_until(EngineStats)
+    assert sum(r.getMessage().startswith("idle:") for r in caplog.records) == 1
 
 
 def test_async_the_next_step_is_out_before_the_result_and_an_abort_waits(
