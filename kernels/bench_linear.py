@@ -6,7 +6,9 @@
 For each linear of SmolLM2-135M (hidden 576) at each row count M: the median time of one
 call of ``cpu_gemm.linear`` on its packed weight, of oneDNN's linear on its packed weight
 (``_reorder_linear_weight`` then ``_linear_pointwise``, the path
-``services/worker/layers/linear.py`` keeps where cpu_gemm has no vector kernel) and, in
+``services/worker/layers/linear.py`` keeps where cpu_gemm has no vector kernel; where
+oneDNN cannot pack the dtype, bf16 on a CPU without AVX-512, torch's ``F.linear``, the
+engine's fallback there, stands in its column) and, in
 bf16 at M <= 8 (the rows it is tuned for), of ``cpu_gemv.linear_bf16`` on the plain
 weight; for each its GFLOP/s (2 M N K flops a call) and weight-read bandwidth (N K
 elements a call), and the ratios oneDNN time / cpu_gemm time and cpu_gemv / cpu_gemm
@@ -39,6 +41,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from kernels import cpu_gemm, cpu_gemv
 
@@ -82,11 +85,25 @@ def read_bandwidth(rounds: int) -> float:  # bytes / s of torch's sum over a 256
     return t.numel() * 4 / statistics.median(times)
 
 
-def _onednn_pack(w: torch.Tensor, batch_hint: int = 64) -> torch.Tensor:
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs a linear weight of this dtype here (bf16 needs AVX-512 or
+    AVX-NE-CONVERT; elsewhere torch's F.linear is the baseline, as the engine falls back)."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype), 8)
+    except RuntimeError:
+        return False
+    return True
+
+
+def _baseline_pack(w: torch.Tensor, batch_hint: int = 64) -> torch.Tensor:
+    if not onednn_packs(w.dtype):
+        return w
     return torch.ops.mkldnn._reorder_linear_weight(w, batch_hint)  # type: ignore[no-any-return]
 
 
-def _onednn(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+def _baseline(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    if not onednn_packs(x.dtype):
+        return F.linear(x, packed)
     return torch.ops.mkldnn._linear_pointwise(  # type: ignore[no-any-return]
         x, packed, None, "none", [], "")
 
@@ -97,9 +114,9 @@ def matmul_peak(dtype: torch.dtype, tries: int = 5) -> float:
     gen = torch.Generator().manual_seed(1)
     w = torch.randn(PEAK_SIZE, PEAK_SIZE, generator=gen).to(dtype)
     x = torch.randn(PEAK_SIZE, PEAK_SIZE, generator=gen).to(dtype)
-    dnn_w, gemm_w = _onednn_pack(w, PEAK_SIZE), cpu_gemm.pack(w)
+    dnn_w, gemm_w = _baseline_pack(w, PEAK_SIZE), cpu_gemm.pack(w)
     best = math.inf
-    for fn in (lambda: _onednn(x, dnn_w), lambda: cpu_gemm.linear(x, gemm_w, PEAK_SIZE, None)):
+    for fn in (lambda: _baseline(x, dnn_w), lambda: cpu_gemm.linear(x, gemm_w, PEAK_SIZE, None)):
         fn()
         for _ in range(tries):
             start = time.perf_counter()
@@ -144,7 +161,7 @@ def bench_shape(shape: Shape, dtype: torch.dtype, rows: list[int], rounds: int,
     weights = [(torch.randn(shape.n, shape.k, generator=gen) * 0.05).to(dtype)
                for _ in range(copies)]
     gemm_w = [cpu_gemm.pack(w) for w in weights]
-    dnn_w = [_onednn_pack(w) for w in weights]
+    dnn_w = [_baseline_pack(w) for w in weights]
     gemv_rows = GEMV_MAX_ROWS if use_gemv else 0
     if not use_gemv or min(rows) > gemv_rows:
         weights = []  # cpu_gemv takes the plain weights; nothing else does
@@ -157,7 +174,7 @@ def bench_shape(shape: Shape, dtype: torch.dtype, rows: list[int], rounds: int,
             return cpu_gemm.linear(x, gemm_w[c], shape.n, None)
 
         def run_onednn(c: int, x: torch.Tensor = x) -> torch.Tensor:
-            return _onednn(x, dnn_w[c])
+            return _baseline(x, dnn_w[c])
 
         def run_gemv(c: int, x: torch.Tensor = x) -> torch.Tensor:
             return cpu_gemv.linear_bf16(x, weights[c], None)
@@ -218,9 +235,10 @@ def main() -> None:
     if not torch.backends.mkldnn.is_available():
         raise SystemExit("this torch has no oneDNN (mkldnn)")
     use_gemv = dtype == torch.bfloat16 and cpu_gemv.available()
-    path = "vector" if dtype in cpu_gemm.simd_dtypes() else "portable"
+    path = cpu_gemm.tile_paths()[dtype]
+    baseline = "oneDNN packed" if onednn_packs(dtype) else "F.linear (oneDNN cannot pack it)"
     bandwidth, peak = read_bandwidth(5), matmul_peak(dtype)
-    print(f"cpu_gemm ({path}) vs oneDNN packed{' and cpu_gemv' if use_gemv else ''}, "
+    print(f"cpu_gemm ({path} tiles) vs {baseline}{' and cpu_gemv' if use_gemv else ''}, "
           f"{args.dtype}, {torch.get_num_threads()} threads; read bandwidth (torch sum, "
           f"256 MB fp32): {bandwidth / 1e9:.1f} GB/s; matmul peak (best {PEAK_SIZE}^3 "
           f"of oneDNN, cpu_gemm): {peak / 1e9:.0f} GFLOP/s")

@@ -18,8 +18,10 @@ order differs from ``F.linear`` on fp32 copies. ``linear_silu`` rounds the gate 
 sums as ``linear`` stores them and then applies ``cpu_fused.silu_mul``'s arithmetic (the
 shared ``csrc/cpu_silu.h``): bit-equal to ``silu_mul(linear(x, pack(W), 2 I, b))``.
 The op checks its inputs (ValueError). ``available()`` reports whether it built;
-``simd_dtypes()`` which dtypes run the vector kernels (AVX-512 for fp32, AVX512-BF16 for
-bf16): elsewhere the op runs portable loops (tests only), and callers keep oneDNN.
+``simd_dtypes()`` which dtypes run vector kernels: AVX-512 tiles for fp32, and for bf16
+with AVX512-BF16; else 256-bit AVX2 + FMA tiles (bf16 widened to fp32 in registers);
+``tile_paths()`` which. Without AVX2 the op runs portable loops (tests only), and
+callers keep oneDNN.
 """
 
 from __future__ import annotations
@@ -61,6 +63,15 @@ def simd_dtypes() -> frozenset[torch.dtype]:
         return frozenset()
     names = {"float32": torch.float32, "bfloat16": torch.bfloat16}
     return frozenset(names[n] for n in _ops().simd_dtypes())
+
+
+def tile_paths() -> dict[torch.dtype, str]:
+    """Which tiles each dtype runs in this build: ``avx512``, ``avx2`` or ``portable``
+    (empty where it did not build)."""
+    if not available():
+        return {}
+    f32, bf16 = _ops().tile_paths()
+    return {torch.float32: f32, torch.bfloat16: bf16}
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
 // Packed-weight GEMM for the CPU linears: y = x @ W.T (+ bias), x [M, K], W [N, K], in
-// bf16 (AVX512-BF16 vdpbf16ps, fp32 accumulators) or fp32 (AVX-512 FMA).
+// bf16 (AVX512-BF16 vdpbf16ps, fp32 accumulators) or fp32 (AVX-512 FMA), and both on
+// AVX2 + FMA machines with 256-bit tiles (below).
 //
 // Built at runtime by kernels/cpu_gemm.py (load_inline, -O3 -march=native, torch's
 // OpenMP pool) and registered as torch.ops.<PAGODA_OP_NS>.{pack, linear, pack_gated,
@@ -30,11 +31,12 @@
 // lane; it is not torch's, so an output may differ from F.linear on fp32 copies by a
 // bf16 ulp where the sum sits near a tie, or by fp32 rounding.
 //
-// Without AVX-512 (AVX2-only machines, or with PAGODA_PORTABLE, which tests use to build
-// the fallback anywhere) plain loops over the same packed layout run instead:
-// correct, slow, and the caller (services/worker/layers/linear.py) then keeps oneDNN
-// (simd_dtypes() says which dtypes have the vector path). Inputs are checked here
-// (ValueError).
+// Without AVX-512 (or bf16 without AVX512-BF16), AVX2 + FMA machines run 4 x 24 tiles of
+// ymm registers over the same panels, bf16 widened to fp32 in registers (tile_avx2).
+// (PAGODA_NO_AVX512 builds that path on an AVX-512 machine: tests.) Without AVX2, or
+// with PAGODA_PORTABLE (which tests use to build the fallback anywhere), plain loops over the same layout run instead: correct, slow, and the caller
+// (services/worker/layers/linear.py) then keeps oneDNN (simd_dtypes() says which dtypes
+// have a vector path, tile_paths() which). Inputs are checked here (ValueError).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
@@ -45,18 +47,24 @@
 #include <cstring>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_scalar.h"
 #include "cpu_silu.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
-    !defined(PAGODA_PORTABLE)
+    !defined(PAGODA_PORTABLE) && !defined(PAGODA_NO_AVX512)
 #define PAGODA_GEMM_AVX512 1
 #include <immintrin.h>
 #if defined(__AVX512BF16__)
 #define PAGODA_GEMM_BF16 1
 #endif
+#endif
+// 256-bit tiles: the whole kernel on AVX2 machines, and bf16 on AVX-512 without BF16
+#if defined(__AVX2__) && defined(__FMA__) && !defined(PAGODA_PORTABLE)
+#define PAGODA_GEMM_AVX2 1
+#include <immintrin.h>
 #endif
 
 #ifndef PAGODA_OP_NS
@@ -93,6 +101,10 @@ struct Args {
   // The panels come in (gate, up) pairs (pack_gated) and out = silu(gate) * up, N the
   // intermediate size; else out = x W^T + bias.
   bool gated;
+  // The 256-bit bf16 tiles' x, widened to fp32 once per call ([M, 2 Ks], rows ldxf
+  // apart); unused elsewhere.
+  const float* xf = nullptr;
+  int64_t ldxf = 0;
 };
 
 // What a tile does with its sums: store them; or, of a gated pair, keep the gate's
@@ -138,6 +150,78 @@ void gated_epilogue(const Args<T>& a, Epilogue e, int64_t m0, int rows, int64_t 
     }
   }
 }
+
+// The plain epilogue on fp32 sums (bias not yet added) of rows [m0, m0 + rows) x the kNR
+// columns from n0: out = rounded(sum + bias), the columns past N dropped.
+template <class T>
+void store_epilogue(const Args<T>& a, int64_t m0, int rows, int64_t n0,
+                    const float (*sums)[kNR]) {
+  float bias[kNR];
+  bias_columns(a, n0, Epilogue::kStore, bias);
+  const int64_t cols = std::min<int64_t>(kNR, a.N - n0);
+  for (int m = 0; m < rows; ++m) {
+    T* out = a.out + (m0 + m) * a.N + n0;
+#pragma omp simd
+    for (int64_t c = 0; c < cols; ++c) store(sums[m][c] + bias[c], out + c);
+  }
+}
+
+#if defined(PAGODA_GEMM_AVX512) || defined(PAGODA_GEMM_AVX2)
+// Panel groups [q0, q1) (a panel, or a gated pair) for every row of x, in register tiles
+// of up to MaxRows rows: tile(m0, rows, panel, pf, pf_end, lines, gate, epilogue) runs
+// one (epilogue: a std::integral_constant<Epilogue, E>) and prefetches its share of the
+// next group, [pf, pf_end), `lines` lines a step.
+template <class T, int MaxRows, class Tile>
+void run_panel_tiles(const Args<T>& a, int64_t q0, int64_t q1, Tile tile) {
+  const int G = group_panels(a.gated);
+  const int64_t group_bytes = G * a.Ks * kStepBytes;
+  const char* base = reinterpret_cast<const char*>(a.packed);
+  alignas(64) float gate[MaxRows][kNR];
+  for (int64_t mb = 0; mb < a.M; mb += kMBlock) {
+    const int64_t rows = std::min(kMBlock, a.M - mb);
+    const int64_t tiles = (rows + MaxRows - 1) / MaxRows;
+    // the next group's G * 3 * Ks lines over G * tiles calls of Ks steps
+    const int lines = static_cast<int>(std::max<int64_t>(1, (kVecs + tiles - 1) / tiles));
+    const int64_t share = static_cast<int64_t>(lines) * a.Ks * kLine;  // bytes per call
+    for (int64_t q = q0; q < q1; ++q) {
+      const char* next = base + (q + 1) * group_bytes;
+      const char* next_end = q + 1 < q1 ? next + group_bytes : next;  // none past the range
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t m0 = mb + t * MaxRows;
+        const int mr = static_cast<int>(std::min<int64_t>(MaxRows, rows - t * MaxRows));
+        for (int g = 0; g < G; ++g) {
+          const char* pf = next + (t * G + g) * share;
+          const char* pf_end = std::min(next_end, pf + share);
+          if (!a.gated)
+            tile(m0, mr, q, pf, pf_end, lines, gate,
+                 std::integral_constant<Epilogue, Epilogue::kStore>{});
+          else if (g == 0)
+            tile(m0, mr, 2 * q, pf, pf_end, lines, gate,
+                 std::integral_constant<Epilogue, Epilogue::kGate>{});
+          else
+            tile(m0, mr, 2 * q + 1, pf, pf_end, lines, gate,
+                 std::integral_constant<Epilogue, Epilogue::kSiluUp>{});
+        }
+      }
+    }
+  }
+}
+
+// How many of a tile's Ks steps prefetch lines_per_step lines of [pf, pf_end).
+inline int64_t prefetch_steps(int64_t Ks, const char* pf, const char* pf_end,
+                              int lines_per_step) {
+  if (pf >= pf_end) return 0;
+  return std::min<int64_t>(Ks, (pf_end - pf + kLine * lines_per_step - 1) /
+                                   (kLine * lines_per_step));
+}
+
+inline void prefetch_step(const char* pf, const char* pf_end, int64_t s, int lines_per_step) {
+  for (int l = 0; l < lines_per_step; ++l) {
+    const char* p = pf + (s * lines_per_step + l) * kLine;
+    if (p < pf_end) _mm_prefetch(p, _MM_HINT_T0);
+  }
+}
+#endif
 
 #ifdef PAGODA_GEMM_AVX512
 // acc[m][v] += x[m, step s] * panel[s][v] for the MR rows of a tile (bf16: a pair a lane)
@@ -210,15 +294,9 @@ void tile(const Args<T>& a, int64_t m0, int64_t panel, const char* pf, const cha
     for (int v = 0; v < kVecs; ++v) acc[m][v] = _mm512_setzero_ps();
   int64_t s = 0;
   // the prefetching part of the loop, then the rest without the bound check
-  const int64_t pf_steps =
-      pf < pf_end ? std::min<int64_t>(a.Ks, (pf_end - pf + kLine * lines_per_step - 1) /
-                                                (kLine * lines_per_step))
-                  : 0;
+  const int64_t pf_steps = prefetch_steps(a.Ks, pf, pf_end, lines_per_step);
   for (; s < pf_steps; ++s) {
-    for (int l = 0; l < lines_per_step; ++l) {
-      const char* p = pf + (s * lines_per_step + l) * kLine;
-      if (p < pf_end) _mm_prefetch(p, _MM_HINT_T0);
-    }
+    prefetch_step(pf, pf_end, s, lines_per_step);
     do_step<T, MR>(acc, x, a.ldx, b, s);
   }
 #pragma GCC unroll 2
@@ -258,38 +336,113 @@ void run_tile(const Args<T>& a, int64_t m0, int mr, int64_t panel, const char* p
   }
 }
 
-// Panel groups [q0, q1) (a panel, or a gated pair) for every row of x.
 template <class T>
-void run_panels_simd(const Args<T>& a, int64_t q0, int64_t q1) {
-  const int G = group_panels(a.gated);
-  const int64_t group_bytes = G * a.Ks * kStepBytes;
-  const char* base = reinterpret_cast<const char*>(a.packed);
-  alignas(64) float gate[kMR][kNR];
-  for (int64_t mb = 0; mb < a.M; mb += kMBlock) {
-    const int64_t rows = std::min(kMBlock, a.M - mb);
-    const int64_t tiles = (rows + kMR - 1) / kMR;
-    // the next group's G * 3 * Ks lines over G * tiles calls of Ks steps
-    const int lines = static_cast<int>(std::max<int64_t>(1, (kVecs + tiles - 1) / tiles));
-    const int64_t share = static_cast<int64_t>(lines) * a.Ks * kLine;  // bytes per call
-    for (int64_t q = q0; q < q1; ++q) {
-      const char* next = base + (q + 1) * group_bytes;
-      const char* next_end = q + 1 < q1 ? next + group_bytes : next;  // none past the range
-      for (int64_t t = 0; t < tiles; ++t) {
-        const int64_t m0 = mb + t * kMR;
-        const int mr = static_cast<int>(std::min<int64_t>(kMR, rows - t * kMR));
-        for (int g = 0; g < G; ++g) {
-          const char* pf = next + (t * G + g) * share;
-          const char* pf_end = std::min(next_end, pf + share);
-          if (!a.gated)
-            run_tile<T, Epilogue::kStore>(a, m0, mr, q, pf, pf_end, lines, gate);
-          else if (g == 0)
-            run_tile<T, Epilogue::kGate>(a, m0, mr, 2 * q, pf, pf_end, lines, gate);
-          else
-            run_tile<T, Epilogue::kSiluUp>(a, m0, mr, 2 * q + 1, pf, pf_end, lines, gate);
-        }
-      }
+void run_panels_avx512(const Args<T>& a, int64_t q0, int64_t q1) {
+  run_panel_tiles<T, kMR>(a, q0, q1, [&](int64_t m0, int mr, int64_t panel, const char* pf,
+                                          const char* pf_end, int lines, float (*gate)[kNR],
+                                          auto epilogue) {
+    run_tile<T, decltype(epilogue)::value>(a, m0, mr, panel, pf, pf_end, lines, gate);
+  });
+}
+#endif
+
+#ifdef PAGODA_GEMM_AVX2
+// 256-bit tiles (AVX2 + FMA) over the same panels. Sixteen ymm registers hold a tile of
+// kMR2 = 4 rows x 24 columns (12 accumulators, the three weight vectors of a step and a
+// broadcast), so a tile covers its panel's 48 columns in two passes over K, the second
+// reading the panel from L1/L2. bf16 has no dot-product instruction here: each 32-bit
+// pair (k, k + 1) of a column is widened in registers (the low word shifted up is k's
+// weight, the high word masked is k + 1's), and x comes widened to fp32 once per call
+// (Args::xf), so every product is exact in fp32 and each lane sums in K order.
+constexpr int kMR2 = 4;
+constexpr int kHalf = kNR / 2;    // columns per pass
+constexpr int kVecs2 = kHalf / 8;  // ymm of 8 fp32 per pass
+
+template <int MR>
+__attribute__((always_inline)) inline void step_f32_avx2(__m256 (&acc)[MR][kVecs2],
+                                                         const float* x, int64_t ldx,
+                                                         const float* b, int64_t s) {
+  const float* bs = b + s * kNR;
+  __m256 w[kVecs2];
+  for (int v = 0; v < kVecs2; ++v) w[v] = _mm256_loadu_ps(bs + 8 * v);
+  for (int m = 0; m < MR; ++m) {
+    const __m256 xv = _mm256_broadcast_ss(x + m * ldx + s);
+    for (int v = 0; v < kVecs2; ++v) acc[m][v] = _mm256_fmadd_ps(xv, w[v], acc[m][v]);
+  }
+}
+
+template <int MR>
+__attribute__((always_inline)) inline void step_bf16_avx2(__m256 (&acc)[MR][kVecs2],
+                                                          const float* x, int64_t ldx,
+                                                          const uint16_t* b, int64_t s) {
+  const uint16_t* bs = b + s * 2 * kNR;
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int v = 0; v < kVecs2; ++v) {
+    const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs + 16 * v));
+    const __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+    const __m256 w1 = _mm256_castsi256_ps(_mm256_and_si256(pairs, high));
+    for (int m = 0; m < MR; ++m) {
+      const float* xm = x + m * ldx + 2 * s;
+      acc[m][v] = _mm256_fmadd_ps(_mm256_broadcast_ss(xm), w0, acc[m][v]);
+      acc[m][v] = _mm256_fmadd_ps(_mm256_broadcast_ss(xm + 1), w1, acc[m][v]);
     }
   }
+}
+
+// Rows [m0, m0 + MR) x the 48 columns of one panel: two passes of 24 columns, the first
+// prefetching the lines [pf, pf_end) of the next panel, lines_per_step a step.
+template <class T, int MR, Epilogue E>
+void tile_avx2(const Args<T>& a, int64_t m0, int64_t panel, const char* pf,
+               const char* pf_end, int lines_per_step, float (*gate)[kNR]) {
+  const T* b = a.packed + panel * a.Ks * kNR * depth<T>();
+  const float* x;
+  int64_t ldx;
+  if constexpr (sizeof(T) == 4) {
+    x = a.x + m0 * a.ldx;
+    ldx = a.ldx;
+  } else {
+    x = a.xf + m0 * a.ldxf;
+    ldx = a.ldxf;
+  }
+  alignas(32) float sums[MR][kNR];
+  for (int h = 0; h < 2; ++h) {
+    const T* bh = b + h * kHalf * depth<T>();
+    __m256 acc[MR][kVecs2];
+    for (int m = 0; m < MR; ++m)
+      for (int v = 0; v < kVecs2; ++v) acc[m][v] = _mm256_setzero_ps();
+    auto step = [&](int64_t s) {
+      if constexpr (sizeof(T) == 4) step_f32_avx2<MR>(acc, x, ldx, bh, s);
+      else step_bf16_avx2<MR>(acc, x, ldx, bh, s);
+    };
+    int64_t s = 0;
+    if (h == 0) {
+      for (const int64_t n = prefetch_steps(a.Ks, pf, pf_end, lines_per_step); s < n; ++s) {
+        prefetch_step(pf, pf_end, s, lines_per_step);
+        step(s);
+      }
+    }
+#pragma GCC unroll 2
+    for (; s < a.Ks; ++s) step(s);
+    for (int m = 0; m < MR; ++m)
+      for (int v = 0; v < kVecs2; ++v) _mm256_store_ps(&sums[m][h * kHalf + 8 * v], acc[m][v]);
+  }
+  if constexpr (E == Epilogue::kStore) store_epilogue(a, m0, MR, panel * kNR, sums);
+  else gated_epilogue(a, E, m0, MR, panel / 2 * kNR, sums, gate);
+}
+
+template <class T>
+void run_panels_avx2(const Args<T>& a, int64_t q0, int64_t q1) {
+  run_panel_tiles<T, kMR2>(a, q0, q1, [&](int64_t m0, int mr, int64_t panel, const char* pf,
+                                           const char* pf_end, int lines, float (*gate)[kNR],
+                                           auto epilogue) {
+    constexpr Epilogue E = decltype(epilogue)::value;
+    switch (mr) {
+      case 1: tile_avx2<T, 1, E>(a, m0, panel, pf, pf_end, lines, gate); break;
+      case 2: tile_avx2<T, 2, E>(a, m0, panel, pf, pf_end, lines, gate); break;
+      case 3: tile_avx2<T, 3, E>(a, m0, panel, pf, pf_end, lines, gate); break;
+      default: tile_avx2<T, 4, E>(a, m0, panel, pf, pf_end, lines, gate); break;
+    }
+  });
 }
 #endif
 
@@ -316,22 +469,37 @@ void run_panels_portable(const Args<T>& a, int64_t q0, int64_t q1) {
                          gate);
           continue;
         }
-        float bias[kNR];
-        bias_columns(a, q * kNR, Epilogue::kStore, bias);
-        for (int c = 0; c < kNR && q * kNR + c < a.N; ++c)
-          store(sums[0][c] + bias[c], a.out + m * a.N + q * kNR + c);
+        store_epilogue(a, m, 1, q * kNR, sums);
       }
+}
+
+// Which tiles run a dtype: AVX-512 (bf16: with AVX512-BF16), else AVX2, else portable.
+enum class Path { kAvx512, kAvx2, kPortable };
+
+template <class T>
+constexpr Path path_for() {
+#ifdef PAGODA_GEMM_AVX512
+  if constexpr (sizeof(T) == 4) return Path::kAvx512;
+#endif
+#ifdef PAGODA_GEMM_BF16
+  if constexpr (sizeof(T) == 2) return Path::kAvx512;
+#endif
+#ifdef PAGODA_GEMM_AVX2
+  return Path::kAvx2;
+#endif
+  return Path::kPortable;
 }
 
 template <class T>
 void run_panels(const Args<T>& a, int64_t q0, int64_t q1) {
+  constexpr Path path = path_for<T>();
 #ifdef PAGODA_GEMM_AVX512
-  if constexpr (sizeof(T) == 4) return run_panels_simd(a, q0, q1);
+  if constexpr (path == Path::kAvx512) return run_panels_avx512(a, q0, q1);
 #endif
-#ifdef PAGODA_GEMM_BF16
-  if constexpr (sizeof(T) == 2) return run_panels_simd(a, q0, q1);
+#ifdef PAGODA_GEMM_AVX2
+  if constexpr (path == Path::kAvx2) return run_panels_avx2(a, q0, q1);
 #endif
-  run_panels_portable(a, q0, q1);
+  if constexpr (path == Path::kPortable) run_panels_portable(a, q0, q1);
 }
 
 void check_cpu_float(const at::Tensor& t, const char* what) {
@@ -404,10 +572,16 @@ at::Tensor run_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t 
   }
   auto run = [&](auto element) {  // float, or uint16_t for bf16 bits (checked above)
     using T = decltype(element);
-    const Args<T> a{static_cast<const T*>(x.const_data_ptr()),
-                    static_cast<const T*>(packed.const_data_ptr()),
-                    bias.defined() ? static_cast<const T*>(bias.const_data_ptr()) : nullptr,
-                    static_cast<T*>(out.mutable_data_ptr()), M, n, Ks, x.stride(0), gated};
+    Args<T> a{static_cast<const T*>(x.const_data_ptr()),
+              static_cast<const T*>(packed.const_data_ptr()),
+              bias.defined() ? static_cast<const T*>(bias.const_data_ptr()) : nullptr,
+              static_cast<T*>(out.mutable_data_ptr()), M, n, Ks, x.stride(0), gated};
+    at::Tensor xf;  // the 256-bit bf16 tiles' widened x (exact: bf16 -> fp32)
+    if constexpr (sizeof(T) == 2 && path_for<T>() == Path::kAvx2) {
+      xf = x.to(at::kFloat).contiguous();
+      a.xf = xf.const_data_ptr<float>();
+      a.ldxf = xf.stride(0);
+    }
     at::parallel_for(0, Q, 1, [&](int64_t q0, int64_t q1) { run_panels(a, q0, q1); });
   };
   if (x.scalar_type() == at::kFloat) run(float{});
@@ -430,13 +604,17 @@ at::Tensor linear_silu(const at::Tensor& x, const at::Tensor& packed, int64_t n,
 // Which dtypes run the vector kernels (else the portable loops): "float32", "bfloat16"
 std::vector<std::string> simd_dtypes() {
   std::vector<std::string> out;
-#ifdef PAGODA_GEMM_AVX512
-  out.emplace_back("float32");
-#endif
-#ifdef PAGODA_GEMM_BF16
-  out.emplace_back("bfloat16");
-#endif
+  if (path_for<float>() != Path::kPortable) out.emplace_back("float32");
+  if (path_for<uint16_t>() != Path::kPortable) out.emplace_back("bfloat16");
   return out;
+}
+
+// Which tiles each dtype runs: {"float32": "avx512" | "avx2" | "portable", "bfloat16": ...}
+std::vector<std::string> tile_paths() {
+  auto name = [](Path p) {
+    return p == Path::kAvx512 ? "avx512" : p == Path::kAvx2 ? "avx2" : "portable";
+  };
+  return {name(path_for<float>()), name(path_for<uint16_t>())};
 }
 
 }  // namespace
@@ -448,4 +626,5 @@ PAGODA_LIBRARY(PAGODA_OP_NS, m) {
   m.def("linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor", &linear);
   m.def("linear_silu(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor", &linear_silu);
   m.def("simd_dtypes() -> str[]", &simd_dtypes);
+  m.def("tile_paths() -> str[]", &tile_paths);
 }

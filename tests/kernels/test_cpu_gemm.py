@@ -17,9 +17,10 @@ the two are within (K + 1) * eps * sum|products and bias| of each other. Loose (
 differences seen stay under 2 eps * sum|products|), yet below the ~1/K of that sum a
 lost or repeated product of average size would add: 4x below at K = 1536, 25x at 576.
 
-Cases, for each dtype, with the native build (vector kernels where ``simd_dtypes()``
-has the dtype) and the portable build forced with PAGODA_PORTABLE (slow: a second
-compile; skipped for a dtype the native build already runs portably): the five linears
+Cases, for each dtype, with the native build (the tiles ``tile_paths()`` names: AVX-512,
+AVX2 or portable loops), the AVX2 tiles forced with PAGODA_NO_AVX512 and the portable
+loops forced with PAGODA_PORTABLE (slow: a compile each; skipped for a dtype the native
+build already runs so): the five linears
 of SmolLM2-135M at M = 1, 8, 9, 17, 64 (the lm_head at 1 and 9), odd shapes (N around
 the 48-column panel and 16-lane vector edges, N < 16, K odd (bf16 pads the last pair),
 K = 1, M around the 8-row tile and over several 256-row blocks), K = 0, M = 0, N = 0,
@@ -50,6 +51,7 @@ if not cpu_gemm.available():
     pytest.skip("the cpu_gemm extension did not build", allow_module_level=True)
 
 PORTABLE_NAMESPACE = "pagoda_cpu_gemm_portable"
+AVX2_NAMESPACE = "pagoda_cpu_gemm_avx2"
 PANEL = 48  # output columns per packed panel (the layout's kNR)
 # SmolLM2-135M: qkv, o, gate_up, down, lm_head as (N, K)
 MODEL_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
@@ -77,17 +79,40 @@ NATIVE = Build("native", cpu_gemm.pack, cpu_gemm.linear, cpu_gemm.pack_gated,
                cpu_gemm.linear_silu)
 
 
+def _variant(name: str, namespace: str, define: str) -> Build:
+    cpu_gemm.build_library(namespace, defines=(define,))
+    ops = getattr(torch.ops, namespace)
+    return Build(name, ops.pack, ops.linear, ops.pack_gated, ops.linear_silu)
+
+
 def _portable() -> Build:
-    cpu_gemm.build_library(PORTABLE_NAMESPACE, defines=("PAGODA_PORTABLE",))
-    ops = getattr(torch.ops, PORTABLE_NAMESPACE)
-    return Build("portable", ops.pack, ops.linear, ops.pack_gated, ops.linear_silu)
+    return _variant("portable", PORTABLE_NAMESPACE, "PAGODA_PORTABLE")
+
+
+def _avx2() -> Build:
+    """The 256-bit tiles, built on an AVX-512 machine too (for both dtypes)."""
+    return _variant("avx2", AVX2_NAMESPACE, "PAGODA_NO_AVX512")
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        pytest.skip("no /proc/cpuinfo")
+    line = re.search(r"^flags\s*:(.*)$", text, re.MULTILINE)
+    return set(line.group(1).split()) if line else set()
 
 
 @pytest.fixture(
     scope="module",
-    params=["native", pytest.param("portable", marks=pytest.mark.slow)],
+    params=["native", pytest.param("avx2", marks=pytest.mark.slow),
+            pytest.param("portable", marks=pytest.mark.slow)],
 )
 def build(request: pytest.FixtureRequest) -> Build:
+    if request.param == "avx2":
+        if not {"avx2", "fma"} <= _cpu_flags():
+            pytest.skip("the CPU has no AVX2 + FMA")
+        return _avx2()
     return NATIVE if request.param == "native" else _portable()
 
 
@@ -98,10 +123,10 @@ def dtype(request: pytest.FixtureRequest) -> torch.dtype:
 
 @pytest.fixture
 def gemm(build: Build, dtype: torch.dtype) -> Build:
-    """The build under test for this dtype; the portable one only where the native build
-    runs vector kernels for it (else the native cases already ran the portable loops)."""
-    if build.name == "portable" and dtype not in cpu_gemm.simd_dtypes():
-        pytest.skip(f"the native build already runs the portable loops for {dtype}")
+    """The build under test for this dtype; a variant only where the native build runs
+    other tiles for it (else the native cases already ran them)."""
+    if build.name != "native" and cpu_gemm.tile_paths()[dtype] == build.name:
+        pytest.skip(f"the native build already runs the {build.name} tiles for {dtype}")
     return build
 
 
@@ -241,23 +266,29 @@ def test_pack_layout(gemm: Build, dtype: torch.dtype, n: int, k: int) -> None:
                     assert float(packed[p, s, c * d_ + d]) == want, (p, s, c, d)
 
 
-def test_simd_dtypes_follow_the_cpu() -> None:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        pytest.skip("no /proc/cpuinfo")
-    line = re.search(r"^flags\s*:(.*)$", flags, re.MULTILINE)
-    have = set(line.group(1).split()) if line else set()
+def test_tile_paths_follow_the_cpu() -> None:
+    have = _cpu_flags()
     avx512 = {"avx512f", "avx512bw", "avx512vl"} <= have
-    want = ({torch.float32} if avx512 else set()) | (
-        {torch.bfloat16} if avx512 and "avx512_bf16" in have else set())
-    assert cpu_gemm.simd_dtypes() == want
+    avx2 = "avx2" if {"avx2", "fma"} <= have else "portable"
+    want = {torch.float32: "avx512" if avx512 else avx2,
+            torch.bfloat16: "avx512" if avx512 and "avx512_bf16" in have else avx2}
+    assert cpu_gemm.tile_paths() == want
+    assert cpu_gemm.simd_dtypes() == {d for d, path in want.items() if path != "portable"}
 
 
 @pytest.mark.slow
 def test_portable_build_is_portable() -> None:
     _portable()
-    assert list(getattr(torch.ops, PORTABLE_NAMESPACE).simd_dtypes()) == []
+    ops = getattr(torch.ops, PORTABLE_NAMESPACE)
+    assert list(ops.simd_dtypes()) == [] and list(ops.tile_paths()) == ["portable"] * 2
+
+
+@pytest.mark.slow
+def test_avx2_build_runs_the_avx2_tiles() -> None:
+    if not {"avx2", "fma"} <= _cpu_flags():
+        pytest.skip("the CPU has no AVX2 + FMA")
+    _avx2()
+    assert list(getattr(torch.ops, AVX2_NAMESPACE).tile_paths()) == ["avx2"] * 2
 
 
 GATED_SHAPES = [  # (M, I, K): SmolLM2's MLP, tails of I and K, several row blocks, K = 0

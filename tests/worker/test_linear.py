@@ -1,6 +1,7 @@
 """``layers.linear``: which kernel a CPU linear runs, and that each agrees with fp32 torch.
 
-Where ``kernels.cpu_gemm`` has the vector path for the dtype, every row count runs it;
+Where ``kernels.cpu_gemm`` has the vector path for the dtype, every row count runs it
+(AVX-512 tiles, or on an AVX2 machine its 256-bit tiles);
 elsewhere (and with ``kernel="onednn"``) bf16 at up to GEMV_MAX_ROWS rows streams the
 plain weight through ``kernels.cpu_gemv`` and the rest uses oneDNN's packed weight.
 A SwiGLU MLP's gate_up is packed for ``cpu_gemm.linear_silu`` where cpu_gemm runs it."""
@@ -12,10 +13,27 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_fused, cpu_gemm, cpu_gemv
-from services.worker.layers.linear import GEMV_MAX_ROWS, linear, pack_cpu_linears, pack_weight
+from services.worker.layers.linear import (
+    GEMV_MAX_ROWS,
+    auto_kernel,
+    linear,
+    pack_cpu_linears,
+    pack_weight,
+)
 from tests.support.model_configs import mlp_config
 
-onednn = pytest.mark.skipif(pack_weight(torch.ones(8, 8), "onednn") is None,
+
+def _onednn_packs(dtype: torch.dtype) -> bool:
+    """bf16 needs AVX-512 or AVX-NE-CONVERT in oneDNN: not on an AVX2 machine."""
+    return pack_weight(torch.ones(8, 8, dtype=dtype), "onednn") is not None
+
+
+def need_onednn(dtype: torch.dtype) -> None:
+    if not _onednn_packs(dtype):
+        pytest.skip(f"oneDNN cannot pack a {dtype} weight on this CPU")
+
+
+onednn = pytest.mark.skipif(not _onednn_packs(torch.float32),
                             reason="oneDNN weight packing unavailable")
 
 
@@ -50,7 +68,8 @@ def test_auto_runs_cpu_gemm_where_it_has_the_vector_path(dtype: torch.dtype, row
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_auto_without_the_vector_path_is_onednn(dtype: torch.dtype,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    # an AVX2-only CPU: the build has no vector path for either dtype
+    # a CPU without AVX2: the build has no vector path for either dtype
+    need_onednn(dtype)
     monkeypatch.setattr(cpu_gemm, "simd_dtypes", lambda: frozenset())
     x, w, b, packed = _case(dtype, 4, True)
     assert packed is not None and not packed.gemm
@@ -60,6 +79,7 @@ def test_auto_without_the_vector_path_is_onednn(dtype: torch.dtype,
 @onednn
 def test_auto_keeps_onednn_for_bf16_on_an_amx_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     # oneDNN runs bf16 on the AMX tiles; fp32 (no AMX path) still takes cpu_gemm
+    need_onednn(torch.bfloat16)
     real = torch.cpu.get_capabilities()
     monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {**real, "amx_bf16": True})
     x, w, b, packed = _case(torch.bfloat16, 16, True)
@@ -74,10 +94,29 @@ def test_auto_keeps_onednn_for_bf16_on_an_amx_cpu(monkeypatch: pytest.MonkeyPatc
 
 
 @onednn
+def test_the_256_bit_tiles_are_not_chosen_on_an_avx512_cpu(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 on AVX-512 without AVX512-BF16 runs cpu_gemm's AVX2 tiles, never measured
+    there against oneDNN: auto keeps oneDNN; on an AVX2 machine they are the choice."""
+    real = torch.cpu.get_capabilities()
+    monkeypatch.setattr(cpu_gemm, "simd_dtypes", lambda: frozenset({torch.float32, torch.bfloat16}))
+    monkeypatch.setattr(cpu_gemm, "tile_paths",
+                        lambda: {torch.float32: "avx512", torch.bfloat16: "avx2"})
+    monkeypatch.setattr(torch.cpu, "get_capabilities",
+                        lambda: {**real, "avx512f": True, "amx_bf16": False})
+    assert auto_kernel(torch.bfloat16) == "onednn" and auto_kernel(torch.float32) == "cpu_gemm"
+    monkeypatch.setattr(cpu_gemm, "tile_paths",
+                        lambda: {torch.float32: "avx2", torch.bfloat16: "avx2"})
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {**real, "avx512f": False})
+    assert auto_kernel(torch.bfloat16) == "cpu_gemm" and auto_kernel(torch.float32) == "cpu_gemm"
+
+
+@onednn
 @pytest.mark.skipif(not cpu_gemv.available(), reason="the cpu_gemv extension did not build")
 @pytest.mark.parametrize("rows", [1, 3, GEMV_MAX_ROWS])
 @pytest.mark.parametrize("bias", [False, True])
 def test_onednn_bf16_few_rows_run_the_gemv_kernel(rows: int, bias: bool) -> None:
+    need_onednn(torch.bfloat16)
     x, w, b, packed = _case(torch.bfloat16, rows, bias, "onednn")
     assert packed is not None and not packed.gemm
     got = linear(x, w, b, packed)
@@ -89,6 +128,7 @@ def test_onednn_bf16_few_rows_run_the_gemv_kernel(rows: int, bias: bool) -> None
 @pytest.mark.parametrize(("dtype", "rows"), [(torch.bfloat16, GEMV_MAX_ROWS + 1),
                                              (torch.bfloat16, 64), (torch.float32, 1)])
 def test_onednn_more_rows_and_fp32_run_onednn(dtype: torch.dtype, rows: int) -> None:
+    need_onednn(dtype)
     x, w, b, packed = _case(dtype, rows, True, "onednn")
     assert packed is not None and not packed.gemm
     got = linear(x, w, b, packed)

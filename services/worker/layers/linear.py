@@ -9,6 +9,10 @@ A CPU step is mostly its linears, so each CPU weight is packed once, at load
   1.3-1.6x faster than oneDNN in bf16 and 1.25-1.37x in fp32, at 1-8 rows at least as
   fast as ``kernels.cpu_gemv``, and within noise of oneDNN at prefill sizes
   (``python -m kernels.bench_linear``);
+- on an AVX2 machine (no AVX-512: a Zen 3 EPYC) its 256-bit tiles, in both dtypes: fp32
+  1.1-2.5x oneDNN (152-158 GFLOP/s of the cores' ~157 nominal at 64-256 rows); bf16,
+  which oneDNN cannot pack there (it needs AVX-512 or AVX-NE-CONVERT), 1.7x torch's
+  F.linear at 1 row and 6-6.4x from 16 rows (115-121 GFLOP/s);
 - else oneDNN's linear on the weight reordered into its blocked layout (1.3-2.5x
   ``F.linear`` on plain fp32 weights), and in bf16 at up to ``GEMV_MAX_ROWS`` rows
   ``kernels.cpu_gemv`` on the plain weight, which reads it faster than oneDNN's bf16
@@ -90,10 +94,14 @@ def cpu_has(*features: str) -> bool:
 
 def auto_kernel(dtype: torch.dtype) -> str:
     """The packing ``kernel="auto"`` picks for a CPU weight of ``dtype``: ``cpu_gemm``
-    where it has the vector path, except bf16 on an AMX CPU; else ``onednn``."""
+    where it has a vector path, except bf16 on an AMX CPU and its 256-bit tiles on an
+    AVX-512 CPU (bf16 without AVX512-BF16: oneDNN there was never measured against them);
+    else ``onednn``."""
     if dtype not in cpu_gemm.simd_dtypes():
         return "onednn"
     if dtype == torch.bfloat16 and cpu_has("amx_bf16"):
+        return "onednn"
+    if cpu_gemm.tile_paths().get(dtype) == "avx2" and cpu_has("avx512f"):
         return "onednn"
     return "cpu_gemm"
 
