@@ -27,8 +27,10 @@
 // max -inf and its (zero) sums. A soft cap (softcap > 0) maps each scaled score to
 // softcap * tanh(score / softcap) before the mask and the softmax.
 //
-// The portable build (-DPAGODA_PORTABLE, or no AVX-512) runs the same items with plain
-// loops: correctness only.
+// Without AVX-512, AVX2 + FMA machines run the same items row by row against each
+// packed chunk with 256-bit registers (run_item_avx2; head_dim a multiple of 8). The
+// portable build (-DPAGODA_PORTABLE, or neither) runs them with plain loops: correctness
+// only.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -121,6 +123,19 @@ struct Prefill {
     return seq_lens[it.seq] - (q_start[it.seq + 1] - q_start[it.seq]);
   }
 
+  // Into L2, the K and V rows of the chunk after this one (the next blocks are anywhere).
+  void prefetch_chunk(const Item& it, int64_t k0, int64_t n) const {
+    const int64_t bytes = s.head_dim * static_cast<int64_t>(sizeof(T));
+    for (int64_t t = 0; t < n; ++t) {
+      const char* k = reinterpret_cast<const char*>(cache_row(k_cache, it.seq, k0 + t, it.kv_head));
+      const char* v = reinterpret_cast<const char*>(cache_row(v_cache, it.seq, k0 + t, it.kv_head));
+      for (int64_t off = 0; off < bytes; off += 64) {  // a loop of prefetches only: see
+        prefetch_read<2>(k + off);                     // cpu_scalar.h's prefetch_read
+        prefetch_read<2>(v + off);
+      }
+    }
+  }
+
 #ifdef PAGODA_PREFILL_AVX512
   struct Scratch {
     Buffer qt, ot, kp, vp, sc, pp, stats;
@@ -178,19 +193,6 @@ struct Prefill {
               b ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, b + d)) : _mm512_setzero_si512();
           _mm512_mask_storeu_epi32(vp + st * D + d, m, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
         }
-      }
-    }
-  }
-
-  // Into L2, the K and V rows of the chunk after this one (the next blocks are anywhere).
-  void prefetch_chunk(const Item& it, int64_t k0, int64_t n) const {
-    const int64_t bytes = s.head_dim * static_cast<int64_t>(sizeof(T));
-    for (int64_t t = 0; t < n; ++t) {
-      const char* k = reinterpret_cast<const char*>(cache_row(k_cache, it.seq, k0 + t, it.kv_head));
-      const char* v = reinterpret_cast<const char*>(cache_row(v_cache, it.seq, k0 + t, it.kv_head));
-      for (int64_t off = 0; off < bytes; off += 64) {  // a loop of prefetches only: see
-        prefetch_read<2>(k + off);                     // cpu_scalar.h's prefetch_read
-        prefetch_read<2>(v + off);
       }
     }
   }
@@ -389,9 +391,143 @@ struct Prefill {
   }
 #else
   struct Scratch {
-    std::vector<float> scores, acc;
-    explicit Scratch(const Shape& s) : scores(s.max_len), acc(s.head_dim) {}
+    std::vector<float> scores, acc;  // the scalar rows
+#ifdef PAGODA_PREFILL_AVX2
+    Buffer kt, vp, q, o, sc;  // see run_item_avx2
+    std::vector<float> m, l;
+    Scratch(const Shape& s, int64_t rows)
+        : scores(s.max_len), acc(s.head_dim), kt(s.head_dim * kKeys2),
+          vp(kKeys2 * s.head_dim), q(rows * s.head_dim), o(rows * s.head_dim), sc(kKeys2),
+          m(static_cast<size_t>(rows)), l(static_cast<size_t>(rows)) {}
+#else
+    Scratch(const Shape& s, int64_t) : scores(s.max_len), acc(s.head_dim) {}
+#endif
   };
+
+#ifdef PAGODA_PREFILL_AVX2
+  // AVX2 + FMA, head_dim a multiple of 8. The item's keys go by in chunks of kKeys2,
+  // each copied out of the cache once as fp32, K transposed (kt: [D][kKeys2], zero past
+  // the chunk's keys) and V as rows (vp: [kKeys2][D]), and used by every row of the item
+  // (its positions x the G heads of its kv head). A row's kKeys2 scores build up in 8
+  // ymm accumulators over its D query elements (one broadcast, 8 loads and 8 FMAs an
+  // element); its online softmax runs on the keys it sees; its output accumulators take
+  // the chunk's V rows 64 dims (8 ymm) at a time. Numerics as the scalar rows: fp32
+  // products and sums (another order), P kept in fp32, out = O / l rounded once.
+  static constexpr int64_t kKeys2 = 64;
+  static constexpr int kKeyVecs = kKeys2 / 8;
+
+  // The output slice of NV ymm (8 NV dims from orow) of a row: times alpha, plus the
+  // weighted V rows of keys [lo, hi) of the chunk (p: their softmax numerators).
+  template <int NV>
+  static void pv_slice(const float* p, int64_t lo, int64_t hi, const float* v, int64_t D,
+                       float* orow, float alpha) {
+    __m256 a[NV];
+    const __m256 va = _mm256_set1_ps(alpha);
+    for (int j = 0; j < NV; ++j) a[j] = _mm256_mul_ps(_mm256_loadu_ps(orow + 8 * j), va);
+    for (int64_t t = lo; t < hi; ++t) {
+      const __m256 pt = _mm256_set1_ps(p[t]);
+      const float* vr = v + t * D;
+      for (int j = 0; j < NV; ++j) a[j] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vr + 8 * j), a[j]);
+    }
+    for (int j = 0; j < NV; ++j) _mm256_storeu_ps(orow + 8 * j, a[j]);
+  }
+
+  // One row against keys [lo, hi) of the packed chunk: its scores, online-softmax update
+  // of (m, l), and P.V into its output row.
+  void row_chunk(Scratch& w, const float* qr, int64_t lo, int64_t hi, float* orow, float& m,
+                 float& l) const {
+    const int64_t D = s.head_dim;
+    const float* kt = w.kt.data();
+    float* sc = w.sc.data();
+    __m256 acc[kKeyVecs];
+    for (int j = 0; j < kKeyVecs; ++j) acc[j] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; ++d) {
+      const __m256 qd = _mm256_broadcast_ss(qr + d);
+      const float* kr = kt + d * kKeys2;
+      for (int j = 0; j < kKeyVecs; ++j) acc[j] = _mm256_fmadd_ps(qd, _mm256_load_ps(kr + 8 * j), acc[j]);
+    }
+    const __m256 vscale = _mm256_set1_ps(scale);
+    for (int j = 0; j < kKeyVecs; ++j) _mm256_store_ps(sc + 8 * j, _mm256_mul_ps(acc[j], vscale));
+    if (s.softcap > 0.0f) {
+      const float cap = s.softcap;
+#pragma omp simd
+      for (int64_t t = lo; t < hi; ++t) sc[t] = cap * tanh_f32(sc[t] / cap);
+    }
+    float mx = m;
+#pragma omp simd reduction(max : mx)
+    for (int64_t t = lo; t < hi; ++t) mx = std::max(mx, sc[t]);
+    const float alpha = exp_f32(m - mx);  // m = -inf (no key seen yet): 0
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = lo; t < hi; ++t) {
+      sc[t] = exp_f32(sc[t] - mx);
+      sum += sc[t];
+    }
+    l = l * alpha + sum;
+    m = mx;
+    const float* vp = w.vp.data();
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+      float* o = orow + d0;
+      const float* v = vp + d0;
+      switch (std::min<int64_t>(8, (D - d0) / 8)) {
+        case 1: pv_slice<1>(sc, lo, hi, v, D, o, alpha); break;
+        case 2: pv_slice<2>(sc, lo, hi, v, D, o, alpha); break;
+        case 3: pv_slice<3>(sc, lo, hi, v, D, o, alpha); break;
+        case 4: pv_slice<4>(sc, lo, hi, v, D, o, alpha); break;
+        case 5: pv_slice<5>(sc, lo, hi, v, D, o, alpha); break;
+        case 6: pv_slice<6>(sc, lo, hi, v, D, o, alpha); break;
+        case 7: pv_slice<7>(sc, lo, hi, v, D, o, alpha); break;
+        default: pv_slice<8>(sc, lo, hi, v, D, o, alpha); break;
+      }
+    }
+  }
+
+  void run_item_avx2(const Item& it, Scratch& w) const {
+    const int64_t D = s.head_dim, G = s.group, rows = it.nq * G;
+    const int64_t pos0 = context(it) + it.q0;  // position of the item's first query
+    const int64_t kend = pos0 + it.nq;          // keys the last position sees
+    const int64_t kstart = s.window > 0 ? std::max<int64_t>(0, pos0 - s.window + 1) : 0;
+    float* q = w.q.data();
+    float* o = w.o.data();
+    float* kt = w.kt.data();
+    float* vp = w.vp.data();
+    for (int64_t r = 0; r < rows; ++r) {
+      const T* src = query + token_row(it, r) * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) q[r * D + d] = to_f32(src[d]);
+    }
+    std::fill(o, o + rows * D, 0.0f);
+    std::fill(w.m.begin(), w.m.begin() + rows, kNegInf);
+    std::fill(w.l.begin(), w.l.begin() + rows, 0.0f);
+    for (int64_t k0 = kstart; k0 < kend; k0 += kKeys2) {
+      const int64_t n = std::min<int64_t>(kKeys2, kend - k0);
+      for (int64_t t = 0; t < n; ++t) {
+        const T* k = cache_row(k_cache, it.seq, k0 + t, it.kv_head);
+        const T* v = cache_row(v_cache, it.seq, k0 + t, it.kv_head);
+        for (int64_t d = 0; d < D; ++d) kt[d * kKeys2 + t] = to_f32(k[d]);
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) vp[t * D + d] = to_f32(v[d]);
+      }
+      for (int64_t t = n; t < kKeys2; ++t)
+        for (int64_t d = 0; d < D; ++d) kt[d * kKeys2 + t] = 0.0f;
+      if (k0 + kKeys2 < kend)
+        prefetch_chunk(it, k0 + kKeys2, std::min<int64_t>(kKeys2, kend - k0 - kKeys2));
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t pos = pos0 + r / G;
+        const int64_t hi = std::min(n, pos - k0 + 1);  // keys k0 + t <= pos
+        const int64_t lo = s.window > 0 ? std::max<int64_t>(0, pos - s.window + 1 - k0) : 0;
+        if (hi > lo) row_chunk(w, q + r * D, lo, hi, o + r * D, w.m[r], w.l[r]);
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      T* dst = out + token_row(it, r) * D;
+      const float l = w.l[r];
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) store(o[r * D + d] / l, dst + d);
+    }
+  }
+
+#endif
 
   // Row by row: scores of every visible key, softmax, weighted sum of V.
   void run_item(const Item& it, Scratch& w) const {
@@ -424,9 +560,14 @@ struct Prefill {
     }
   }
 
-  void run(const std::vector<Item>& items, int64_t) const {
-    for_each(items, [&] { return Scratch(s); },
-             [&](const Item& it, Scratch& w) { run_item(it, w); });
+  void run(const std::vector<Item>& items, int64_t max_rows) const {
+    for_each(items, [&] { return Scratch(s, max_rows); },
+             [&](const Item& it, Scratch& w) {
+#ifdef PAGODA_PREFILL_AVX2
+               if (s.head_dim % 8 == 0) return run_item_avx2(it, w);
+#endif
+               run_item(it, w);
+             });
   }
 #endif
 
@@ -515,11 +656,11 @@ void prefill_typed(const Args& a) {
                          lens.data(),
                          static_cast<float>(a.scale),
                          reinterpret_cast<T*>(a.out.data_ptr())};
-#ifdef PAGODA_PREFILL_AVX512
   const int64_t rows = s.tile_q * s.group;
+#ifdef PAGODA_PREFILL_AVX512
   pf.run(items, (rows + kRB - 1) / kRB * kRB);
 #else
-  pf.run(items, 0);
+  pf.run(items, rows);
 #endif
 }
 
@@ -548,6 +689,14 @@ bool uses_avx512() {
 #endif
 }
 
+bool uses_avx2() {
+#ifdef PAGODA_PREFILL_AVX2
+  return true;
+#else
+  return false;
+#endif
+}
+
 bool uses_avx512_bf16() {
 #ifdef PAGODA_PREFILL_BF16
   return true;
@@ -567,4 +716,5 @@ PAGODA_LIBRARY(PAGODA_OP_NS, m) {
         &prefill);
   m.def("uses_avx512() -> bool", &uses_avx512);
   m.def("uses_avx512_bf16() -> bool", &uses_avx512_bf16);
+  m.def("uses_avx2() -> bool", &uses_avx2);
 }

@@ -1,4 +1,5 @@
-// Register tiles of the CPU paged prefill (cpu_prefill.cpp), AVX-512 only.
+// Register tiles of the CPU paged prefill (cpu_prefill.cpp), AVX-512 only (the AVX2 path
+// is in cpu_prefill.cpp itself).
 //
 // The layout is "rows in lanes": the rows of a work item (query positions x the G query
 // heads of one kv head) run along the 16 lanes of a vector, 48 rows (kNR vectors) to a
@@ -22,12 +23,17 @@
 #include <cstdint>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
-    !defined(PAGODA_PORTABLE)
+    !defined(PAGODA_PORTABLE) && !defined(PAGODA_NO_AVX512)
 #define PAGODA_PREFILL_AVX512 1
 #include <immintrin.h>
 #if defined(__AVX512BF16__)
 #define PAGODA_PREFILL_BF16 1
 #endif
+#elif defined(__AVX2__) && defined(__FMA__) && !defined(PAGODA_PORTABLE)
+// no AVX-512 (or PAGODA_NO_AVX512, which tests use to build this path anywhere): 256-bit
+// row-by-row blocks in cpu_prefill.cpp (run_item_avx2)
+#define PAGODA_PREFILL_AVX2 1
+#include <immintrin.h>
 #endif
 
 namespace pagoda_cpu_prefill {

@@ -7,8 +7,8 @@ fp32 and bf16, head_dim 32/40/64/128/256, GQA groups 1/3/4, block sizes 16/32, p
 prefill, cached context (chunked prefill) on and off block boundaries, query_len 1,
 ragged batches, shuffled block tables, int32/int64 indices, a ~1100-token sequence,
 sliding windows (shorter than a row block's span of positions, longer than a key chunk)
-and attention soft caps, bad inputs, the AVX-512 build without AVX512-BF16 and the
-portable build (slow: a second and third compile).
+and attention soft caps, bad inputs, the AVX-512 build without AVX512-BF16, the AVX2 build
+(built on AVX-512 machines too) and the portable build (slow: a compile each).
 """
 
 from __future__ import annotations
@@ -210,23 +210,44 @@ def test_failed_build_is_reported_once(
         cpu_prefill.paged_prefill_attention(query, k, v, starts, lens, tables, 0.1)
 
 
+def _check_build(ops: object, name: str, seqs: Seqs,
+                 shapes: list[tuple[int, int, int, int]]) -> None:
+    """A variant build's op against the oracle, plain and with a window and soft cap."""
+    for dtype in (torch.float32, torch.bfloat16):
+        for shape in shapes:
+            query, k, v, starts, lens, tables = _inputs(seqs, *shape, dtype)
+            out = torch.empty_like(query)
+            scale = shape[2] ** -0.5
+            ops.prefill(out, query, k, v, starts, lens, tables, scale)  # type: ignore[attr-defined]
+            ref = _reference(query, k, v, starts, lens, tables, scale)
+            assert_close(out, ref, dtype, f"{name} {shape} {dtype}")
+            ops.prefill(out, query, k, v, starts, lens, tables, scale, 9, 1.5)  # type: ignore[attr-defined]
+            ref = _reference(query, k, v, starts, lens, tables, scale, 9, 1.5)
+            assert_close(out, ref, dtype, f"{name} {shape} {dtype} window, softcap")
+
+
 @pytest.mark.slow
 def test_portable_build() -> None:
     namespace = "pagoda_cpu_prefill_portable"
     cpu_prefill.build_library(namespace, defines=("PAGODA_PORTABLE",))
     ops = getattr(torch.ops, namespace)
+    assert not ops.uses_avx512() and not ops.uses_avx2()
+    _check_build(ops, "portable", [(1, 0), (31, 0), (60, 45)], [(9, 3, 64, 16), (8, 2, 40, 32)])
+
+
+@pytest.mark.slow
+def test_avx2_build() -> None:
+    """The 256-bit rows of machines without AVX-512, built on one with it too: head_dim a
+    multiple of 8 (64 = one 8-ymm slice, 40 = a 5-ymm slice, 136 = 8 + 1), else the scalar
+    rows (36); prompts past a key chunk, chunks over context, decode rows."""
+    namespace = "pagoda_cpu_prefill_avx2"
+    cpu_prefill.build_library(namespace, defines=("PAGODA_NO_AVX512",))
+    ops = getattr(torch.ops, namespace)
+    if not ops.uses_avx2():
+        pytest.skip("no AVX2 + FMA on this machine")
     assert not ops.uses_avx512()
-    for dtype in (torch.float32, torch.bfloat16):
-        for shape in [(9, 3, 64, 16), (8, 2, 40, 32)]:
-            query, k, v, starts, lens, tables = _inputs([(1, 0), (31, 0), (60, 45)], *shape, dtype)
-            out = torch.empty_like(query)
-            scale = shape[2] ** -0.5
-            ops.prefill(out, query, k, v, starts, lens, tables, scale)
-            ref = _reference(query, k, v, starts, lens, tables, scale)
-            assert_close(out, ref, dtype, f"portable {shape} {dtype}")
-            ops.prefill(out, query, k, v, starts, lens, tables, scale, 9, 1.5)
-            ref = _reference(query, k, v, starts, lens, tables, scale, 9, 1.5)
-            assert_close(out, ref, dtype, f"portable {shape} {dtype} window, softcap")
+    _check_build(ops, "avx2", [(1, 0), (31, 0), (60, 45), (150, 0), (70, 130)],
+                 [(9, 3, 64, 16), (8, 2, 40, 32), (4, 2, 136, 16), (6, 3, 36, 16)])
 
 
 @pytest.mark.slow
