@@ -351,6 +351,14 @@ bool uses_avx512() {
 #endif
 }
 
+bool uses_avx2() {
+#ifdef PAGODA_DECODE_AVX2
+  return true;
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 // The namespace is a macro so a variant build (tests of the portable path) registers apart.
@@ -361,4 +369,5 @@ PAGODA_LIBRARY(PAGODA_OP_NS, m) {
         "int window=0, float softcap=0.0) -> ()",
         &decode);
   m.def("uses_avx512() -> bool", &uses_avx512);
+  m.def("uses_avx2() -> bool", &uses_avx2);
 }

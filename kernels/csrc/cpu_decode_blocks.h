@@ -1,7 +1,9 @@
 // Block kernels of the CPU paged decode (cpu_decode.cpp): for one block of one
 // sequence, the scores of every query head against the block's K rows, and the
 // softmax-weighted sum of its V rows. An AVX-512 version (query tiles in registers, 16
-// tokens' dot products reduced together) and a portable one; both take any head_dim
+// tokens' dot products reduced together), an AVX2 one (the same in 8-lane vectors, 8
+// tokens at a time; head_dim a multiple of 8, else the portable loops) and a portable
+// one; AVX-512 and portable take any head_dim
 // (AVX-512 masks the last 16-wide chunk) and fp32 or bf16 (as uint16_t bits) caches.
 // Where the CPU has AVX512-BF16, bf16 caches take their own AVX-512 path: scores by
 // vdpbf16ps straight from the bf16 query and K rows, V rows widened by a shift and a mask
@@ -16,12 +18,16 @@
 #include "cpu_scalar.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
-    !defined(PAGODA_PORTABLE)
+    !defined(PAGODA_PORTABLE) && !defined(PAGODA_NO_AVX512)
 #define PAGODA_AVX512 1
 #include <immintrin.h>
 #if defined(__AVX512BF16__)
 #define PAGODA_DECODE_DPBF16 1
 #endif
+#elif defined(__AVX2__) && defined(__FMA__) && !defined(PAGODA_PORTABLE)
+// no AVX-512 (or PAGODA_NO_AVX512: tests build this path anywhere): 256-bit tiles
+#define PAGODA_DECODE_AVX2 1
+#include <immintrin.h>
 #endif
 
 namespace pagoda_cpu_decode {
@@ -66,11 +72,29 @@ inline void prefetch_twin(const T* row, int64_t next_delta) {
     prefetch_read<3>(p + off);  // a loop of prefetches only: see cpu_scalar.h
 }
 
-#ifdef PAGODA_AVX512
+#if defined(PAGODA_AVX512) || defined(PAGODA_DECODE_AVX2)
 // The query heads of one kv head are taken in tiles of up to kTile rows: a tile's
 // accumulators stay in registers while each K/V row is loaded (and widened) once.
 constexpr int kTile = 4;
 
+// Calls tile<gt>(kv head, first head of the tile) over every tile of every kv head.
+template <typename Fn>
+void for_each_tile(const Shape& s, Fn&& tile) {
+  for (int64_t kvh = 0; kvh < s.num_kv_heads; ++kvh)
+    for (int64_t g0 = 0; g0 < s.group; g0 += kTile) {
+      const int64_t h = kvh * s.group + g0;
+      switch (std::min<int64_t>(kTile, s.group - g0)) {
+        case 1: tile(std::integral_constant<int, 1>{}, kvh, h); break;
+        case 2: tile(std::integral_constant<int, 2>{}, kvh, h); break;
+        case 3: tile(std::integral_constant<int, 3>{}, kvh, h); break;
+        default: tile(std::integral_constant<int, 4>{}, kvh, h); break;
+      }
+    }
+}
+
+#endif
+
+#ifdef PAGODA_AVX512
 inline __mmask16 chunk_mask(int64_t left) {  // lanes of a 16-wide chunk inside head_dim
   return left >= 16 ? __mmask16(0xFFFF) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
 }
@@ -145,21 +169,6 @@ void accumulate_tile(const Shape& s, const T* v, BlockView bv, const float* p, f
     for (int c = 0; c < 4; ++c)
       for (int i = 0; i < GT; ++i) _mm512_mask_storeu_ps(acc + i * D + d0 + 16 * c, m[c], a[i][c]);
   }
-}
-
-// Calls tile<gt>(kv head, first head of the tile) over every tile of every kv head.
-template <typename Fn>
-void for_each_tile(const Shape& s, Fn&& tile) {
-  for (int64_t kvh = 0; kvh < s.num_kv_heads; ++kvh)
-    for (int64_t g0 = 0; g0 < s.group; g0 += kTile) {
-      const int64_t h = kvh * s.group + g0;
-      switch (std::min<int64_t>(kTile, s.group - g0)) {
-        case 1: tile(std::integral_constant<int, 1>{}, kvh, h); break;
-        case 2: tile(std::integral_constant<int, 2>{}, kvh, h); break;
-        case 3: tile(std::integral_constant<int, 3>{}, kvh, h); break;
-        default: tile(std::integral_constant<int, 4>{}, kvh, h); break;
-      }
-    }
 }
 
 #ifdef PAGODA_DECODE_DPBF16
@@ -309,7 +318,8 @@ void unsplit_row(int64_t D, float* row) {
 #else
 // scores[h, pos + t] = q[h] . k[t, h / G]
 template <typename T>
-void block_scores(const Shape& s, const T* rows, BlockView bv, const Query& q, float* scores) {
+void block_scores_scalar(const Shape& s, const T* rows, BlockView bv, const Query& q,
+                         float* scores) {
   const int64_t D = s.head_dim;
   for (int64_t t = 0; t < bv.n; ++t) {
     for (int64_t h = 0; h < s.num_heads; ++h) {
@@ -325,7 +335,8 @@ void block_scores(const Shape& s, const T* rows, BlockView bv, const Query& q, f
 
 // acc[h] += sum_t p[h, pos + t] * v[t, h / G]
 template <typename T>
-void block_accumulate(const Shape& s, const T* rows, BlockView bv, const float* p, float* acc) {
+void block_accumulate_scalar(const Shape& s, const T* rows, BlockView bv, const float* p,
+                             float* acc) {
   const int64_t D = s.head_dim;
   for (int64_t t = 0; t < bv.n; ++t) {
     for (int64_t h = 0; h < s.num_heads; ++h) {
@@ -338,8 +349,132 @@ void block_accumulate(const Shape& s, const T* rows, BlockView bv, const float* 
   }
 }
 
+#ifdef PAGODA_DECODE_AVX2
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {  // bf16 is the top half of an fp32
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// dots[i][t] += the lane products of query row i and token t's K row over the NC ymm of
+// head_dim from d0, for the nt tokens of a group of 8 (k: the group's first row).
+template <int GT, int NC, typename T>
+__attribute__((always_inline)) inline void scores_slice(const Shape& s, const T* k, int64_t nt,
+                                                        int64_t next_delta, const float* q,
+                                                        int64_t d0, __m256 (&dots)[GT][8]) {
+  const int64_t D = s.head_dim;
+  __m256 qr[GT][NC];
+  for (int i = 0; i < GT; ++i)
+    for (int c = 0; c < NC; ++c) qr[i][c] = _mm256_loadu_ps(q + i * D + d0 + 8 * c);
+  for (int64_t t = 0; t < nt; ++t) {
+    const T* kt = k + t * s.row_stride + d0;
+    prefetch_twin(kt, next_delta);
+    __m256 kc[NC];
+    for (int c = 0; c < NC; ++c) kc[c] = load8(kt + 8 * c);
+    for (int i = 0; i < GT; ++i) {
+      __m256 a = dots[i][t];
+      for (int c = 0; c < NC; ++c) a = _mm256_fmadd_ps(qr[i][c], kc[c], a);
+      dots[i][t] = a;
+    }
+  }
+}
+
+// scores[i, pos + t] = q[i] . k[t] for the GT query rows of a tile (q: [GT, D], pre-
+// scaled), 8 tokens at a time: per 32-wide slice of head_dim the tile's query slice stays
+// in registers across the 8 tokens, whose lane partial sums are then reduced together.
+template <int GT, typename T>
+void scores_tile_avx2(const Shape& s, const T* k, BlockView bv, const float* q, float* scores) {
+  const int64_t D = s.head_dim;
+  for (int64_t t0 = 0; t0 < bv.n; t0 += 8) {
+    const int64_t nt = std::min<int64_t>(8, bv.n - t0);
+    const T* kb = k + t0 * s.row_stride;
+    __m256 dots[GT][8];
+    for (int i = 0; i < GT; ++i)
+      for (int t = 0; t < 8; ++t) dots[i][t] = _mm256_setzero_ps();
+    for (int64_t d0 = 0; d0 < D; d0 += 32) {
+      switch (std::min<int64_t>(4, (D - d0) / 8)) {
+        case 1: scores_slice<GT, 1>(s, kb, nt, bv.next_delta, q, d0, dots); break;
+        case 2: scores_slice<GT, 2>(s, kb, nt, bv.next_delta, q, d0, dots); break;
+        case 3: scores_slice<GT, 3>(s, kb, nt, bv.next_delta, q, d0, dots); break;
+        default: scores_slice<GT, 4>(s, kb, nt, bv.next_delta, q, d0, dots); break;
+      }
+    }
+    for (int i = 0; i < GT; ++i) {
+      alignas(32) float r[8];
+      _mm256_store_ps(r, pagoda_cpu_simd::reduce8(dots[i]));
+      std::copy(r, r + nt, scores + i * s.part_tokens + bv.pos + t0);
+    }
+  }
+}
+
+// acc[i] += sum_t p[i, pos + t] * v[t] over the NC ymm of head_dim from d0, for the GT
+// rows of a tile: that slice of their accumulators stays in registers across the block.
+template <int GT, int NC, typename T>
+__attribute__((always_inline)) inline void accumulate_slice(const Shape& s, const T* v,
+                                                            BlockView bv, const float* pt,
+                                                            int64_t d0, float* acc) {
+  const int64_t D = s.head_dim;
+  __m256 a[GT][NC];
+  for (int i = 0; i < GT; ++i)
+    for (int c = 0; c < NC; ++c) a[i][c] = _mm256_loadu_ps(acc + i * D + d0 + 8 * c);
+  for (int64_t t = 0; t < bv.n; ++t) {
+    const T* vt = v + t * s.row_stride + d0;
+    prefetch_twin(vt, bv.next_delta);
+    __m256 w[GT];
+    for (int i = 0; i < GT; ++i) w[i] = _mm256_set1_ps(pt[i * s.part_tokens + t]);
+    for (int c = 0; c < NC; ++c) {
+      const __m256 vc = load8(vt + 8 * c);
+      for (int i = 0; i < GT; ++i) a[i][c] = _mm256_fmadd_ps(w[i], vc, a[i][c]);
+    }
+  }
+  for (int i = 0; i < GT; ++i)
+    for (int c = 0; c < NC; ++c) _mm256_storeu_ps(acc + i * D + d0 + 8 * c, a[i][c]);
+}
+
+template <int GT, typename T>
+void accumulate_tile_avx2(const Shape& s, const T* v, BlockView bv, const float* p, float* acc) {
+  const float* pt = p + bv.pos;
+  for (int64_t d0 = 0; d0 < s.head_dim; d0 += 32) {
+    switch (std::min<int64_t>(4, (s.head_dim - d0) / 8)) {
+      case 1: accumulate_slice<GT, 1>(s, v, bv, pt, d0, acc); break;
+      case 2: accumulate_slice<GT, 2>(s, v, bv, pt, d0, acc); break;
+      case 3: accumulate_slice<GT, 3>(s, v, bv, pt, d0, acc); break;
+      default: accumulate_slice<GT, 4>(s, v, bv, pt, d0, acc); break;
+    }
+  }
+}
+
 template <typename T>
-void unsplit_row(int64_t, float*) {}  // the portable pass keeps dim order
+void block_scores(const Shape& s, const T* rows, BlockView bv, const Query& q, float* scores) {
+  if (s.head_dim % 8 != 0) return block_scores_scalar(s, rows, bv, q, scores);
+  for_each_tile(s, [&](auto gt, int64_t kvh, int64_t h) {
+    scores_tile_avx2<decltype(gt)::value>(s, rows + kvh * s.head_dim, bv,
+                                          q.scaled + h * s.head_dim, scores + h * s.part_tokens);
+  });
+}
+
+template <typename T>
+void block_accumulate(const Shape& s, const T* rows, BlockView bv, const float* p, float* acc) {
+  if (s.head_dim % 8 != 0) return block_accumulate_scalar(s, rows, bv, p, acc);
+  for_each_tile(s, [&](auto gt, int64_t kvh, int64_t h) {
+    accumulate_tile_avx2<decltype(gt)::value>(s, rows + kvh * s.head_dim, bv,
+                                              p + h * s.part_tokens, acc + h * s.head_dim);
+  });
+}
+#else
+template <typename T>
+void block_scores(const Shape& s, const T* rows, BlockView bv, const Query& q, float* scores) {
+  block_scores_scalar(s, rows, bv, q, scores);
+}
+
+template <typename T>
+void block_accumulate(const Shape& s, const T* rows, BlockView bv, const float* p, float* acc) {
+  block_accumulate_scalar(s, rows, bv, p, acc);
+}
+#endif
+
+template <typename T>
+void unsplit_row(int64_t, float*) {}  // the AVX2 and portable passes keep dim order
 #endif
 
 }  // namespace pagoda_cpu_decode

@@ -6,8 +6,8 @@ zeroed, as its padded gather would otherwise propagate them. Cases: fp32 and bf1
 head_dim 32/64/128 (and 40, 256), block sizes 16/32, GQA groups 1/3/4, lengths 1, on
 and off block boundaries, shuffled block tables, int32/int64 indices, batch 1 and 17,
 split-K partitions (forced and heuristic, some empty), sliding windows (inside a block,
-across blocks, longer than short sequences) and attention soft caps, and the portable
-non-AVX-512 build (slow: a second compile).
+across blocks, longer than short sequences) and attention soft caps, the AVX2 build
+(built on AVX-512 machines too) and the portable build (slow: a compile each).
 """
 
 from __future__ import annotations
@@ -189,19 +189,39 @@ def test_failed_build_is_reported_once(
         cpu_decode.paged_decode_attention(query, k, v, tables, lens, 0.1)
 
 
+def _check_build(ops: object, name: str, shapes: list[tuple[int, int, int, int]]) -> None:
+    """A variant build's op against the oracle, plain and with a window and soft cap."""
+    for dtype in (torch.float32, torch.bfloat16):
+        for shape in shapes:
+            query, k, v, tables, lens = _inputs([1, 31, 200], *shape, dtype)
+            out = torch.empty_like(query)
+            ops.decode(out, query, k, v, tables, lens, shape[2] ** -0.5, 64)  # type: ignore[attr-defined]
+            ref = _reference(query, k, v, tables, lens)
+            assert_close(out, ref, dtype, f"{name} {shape} {dtype}")
+            ops.decode(out, query, k, v, tables, lens, shape[2] ** -0.5, 16, 21, 1.5)  # type: ignore[attr-defined]
+            ref = _reference(query, k, v, tables, lens, window=21, softcap=1.5)
+            assert_close(out, ref, dtype, f"{name} {shape} {dtype} window, softcap")
+
+
 @pytest.mark.slow
 def test_portable_build() -> None:
     namespace = "pagoda_cpu_decode_portable"
     cpu_decode.build_library(namespace, defines=("PAGODA_PORTABLE",))
     ops = getattr(torch.ops, namespace)
+    assert not ops.uses_avx512() and not ops.uses_avx2()
+    _check_build(ops, "portable", [(9, 3, 64, 16), (8, 2, 40, 32)])
+
+
+@pytest.mark.slow
+def test_avx2_build() -> None:
+    """The 256-bit tiles of machines without AVX-512, built on one with it too: head_dim
+    64 (two 4-ymm slices), 40 (4 + 1), 136 (4 x 4 + 1), query tiles of 1-4 heads and 5
+    (4 + 1), and 36 (not a multiple of 8: the portable loops)."""
+    namespace = "pagoda_cpu_decode_avx2"
+    cpu_decode.build_library(namespace, defines=("PAGODA_NO_AVX512",))
+    ops = getattr(torch.ops, namespace)
+    if not ops.uses_avx2():
+        pytest.skip("no AVX2 + FMA on this machine")
     assert not ops.uses_avx512()
-    for dtype in (torch.float32, torch.bfloat16):
-        for shape in [(9, 3, 64, 16), (8, 2, 40, 32)]:
-            query, k, v, tables, lens = _inputs([1, 31, 200], *shape, dtype)
-            out = torch.empty_like(query)
-            ops.decode(out, query, k, v, tables, lens, shape[2] ** -0.5, 64)
-            ref = _reference(query, k, v, tables, lens)
-            assert_close(out, ref, dtype, f"portable {shape} {dtype}")
-            ops.decode(out, query, k, v, tables, lens, shape[2] ** -0.5, 16, 21, 1.5)
-            ref = _reference(query, k, v, tables, lens, window=21, softcap=1.5)
-            assert_close(out, ref, dtype, f"portable {shape} {dtype} window, softcap")
+    _check_build(ops, "avx2", [(9, 3, 64, 16), (8, 2, 40, 32), (4, 4, 136, 16), (10, 2, 64, 16),
+                               (8, 4, 64, 16), (4, 1, 36, 16)])
