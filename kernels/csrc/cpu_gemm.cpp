@@ -347,37 +347,45 @@ void run_panels_avx512(const Args<T>& a, int64_t q0, int64_t q1) {
 #endif
 
 #ifdef PAGODA_GEMM_AVX2
-// 256-bit tiles (AVX2 + FMA) over the same panels. Sixteen ymm registers hold a tile of
-// kMR2 = 4 rows x 24 columns (12 accumulators, the three weight vectors of a step and a
-// broadcast), so a tile covers its panel's 48 columns in two passes over K, the second
-// reading the panel from L1/L2. bf16 has no dot-product instruction here: each 32-bit
-// pair (k, k + 1) of a column is widened in registers (the low word shifted up is k's
-// weight, the high word masked is k + 1's), and x comes widened to fp32 once per call
-// (Args::xf), so every product is exact in fp32 and each lane sums in K order.
-constexpr int kMR2 = 4;
-constexpr int kHalf = kNR / 2;    // columns per pass
-constexpr int kVecs2 = kHalf / 8;  // ymm of 8 fp32 per pass
+// 256-bit tiles (AVX2 + FMA) over the same panels. Sixteen ymm registers hold an fp32
+// tile of 3 or 4 rows x 24 columns (12 accumulators, the three weight vectors of a step
+// and a broadcast), which covers its panel's 48 columns in two passes over K, the second
+// reading the panel from L1/L2; a tile of 1 or 2 rows takes all 48 columns in one pass
+// (6 or 12 accumulators), since with so few FMAs a step the accumulators' dependency
+// chains, not the FMA units, would set the pace of the weight stream. bf16 tiles are
+// always of 1 or 2 rows in one pass: each weight vector is widened once per tile, and
+// on a Zen 3 EPYC 2 x 48 tiles ran SmolLM2's bf16 linears 2-14 % faster than 4 x 24 at
+// 4-64 rows (kernels/bench_linear.py), while in fp32 they ran at half the speed from
+// 16 rows (the six weight vectors of a step no longer fit in registers). bf16 has no
+// dot-product instruction here: each 32-bit pair (k, k + 1) of a column is widened in
+// registers (the low word shifted up is k's weight, the high word masked is k + 1's), and
+// x comes widened to fp32 once per call (Args::xf), so every product is exact in fp32
+// and each lane sums in K order.
+template <class T>
+constexpr int avx2_max_rows() {
+  return sizeof(T) == 2 ? 2 : 4;
+}
+constexpr int avx2_vectors(int rows) { return rows <= 2 ? kNR / 8 : kNR / 16; }  // per pass
 
-template <int MR>
-__attribute__((always_inline)) inline void step_f32_avx2(__m256 (&acc)[MR][kVecs2],
-                                                         const float* x, int64_t ldx,
-                                                         const float* b, int64_t s) {
+template <int MR, int NV>
+__attribute__((always_inline)) inline void step_f32_avx2(__m256 (&acc)[MR][NV], const float* x,
+                                                         int64_t ldx, const float* b, int64_t s) {
   const float* bs = b + s * kNR;
-  __m256 w[kVecs2];
-  for (int v = 0; v < kVecs2; ++v) w[v] = _mm256_loadu_ps(bs + 8 * v);
+  __m256 w[NV];
+  for (int v = 0; v < NV; ++v) w[v] = _mm256_loadu_ps(bs + 8 * v);
   for (int m = 0; m < MR; ++m) {
     const __m256 xv = _mm256_broadcast_ss(x + m * ldx + s);
-    for (int v = 0; v < kVecs2; ++v) acc[m][v] = _mm256_fmadd_ps(xv, w[v], acc[m][v]);
+    for (int v = 0; v < NV; ++v) acc[m][v] = _mm256_fmadd_ps(xv, w[v], acc[m][v]);
   }
 }
 
-template <int MR>
-__attribute__((always_inline)) inline void step_bf16_avx2(__m256 (&acc)[MR][kVecs2],
-                                                          const float* x, int64_t ldx,
-                                                          const uint16_t* b, int64_t s) {
+template <int MR, int NV>
+__attribute__((always_inline)) inline void step_bf16_avx2(__m256 (&acc)[MR][NV], const float* x,
+                                                          int64_t ldx, const uint16_t* b,
+                                                          int64_t s) {
   const uint16_t* bs = b + s * 2 * kNR;
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
-  for (int v = 0; v < kVecs2; ++v) {
+  for (int v = 0; v < NV; ++v) {
     const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs + 16 * v));
     const __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
     const __m256 w1 = _mm256_castsi256_ps(_mm256_and_si256(pairs, high));
@@ -389,11 +397,12 @@ __attribute__((always_inline)) inline void step_bf16_avx2(__m256 (&acc)[MR][kVec
   }
 }
 
-// Rows [m0, m0 + MR) x the 48 columns of one panel: two passes of 24 columns, the first
+// Rows [m0, m0 + MR) x the 48 columns of one panel, in passes of 8 NV columns, the first
 // prefetching the lines [pf, pf_end) of the next panel, lines_per_step a step.
 template <class T, int MR, Epilogue E>
 void tile_avx2(const Args<T>& a, int64_t m0, int64_t panel, const char* pf,
                const char* pf_end, int lines_per_step, float (*gate)[kNR]) {
+  constexpr int NV = avx2_vectors(MR), kPassCols = 8 * NV;
   const T* b = a.packed + panel * a.Ks * kNR * depth<T>();
   const float* x;
   int64_t ldx;
@@ -405,14 +414,14 @@ void tile_avx2(const Args<T>& a, int64_t m0, int64_t panel, const char* pf,
     ldx = a.ldxf;
   }
   alignas(32) float sums[MR][kNR];
-  for (int h = 0; h < 2; ++h) {
-    const T* bh = b + h * kHalf * depth<T>();
-    __m256 acc[MR][kVecs2];
+  for (int h = 0; h < kNR / kPassCols; ++h) {
+    const T* bh = b + h * kPassCols * depth<T>();
+    __m256 acc[MR][NV];
     for (int m = 0; m < MR; ++m)
-      for (int v = 0; v < kVecs2; ++v) acc[m][v] = _mm256_setzero_ps();
+      for (int v = 0; v < NV; ++v) acc[m][v] = _mm256_setzero_ps();
     auto step = [&](int64_t s) {
-      if constexpr (sizeof(T) == 4) step_f32_avx2<MR>(acc, x, ldx, bh, s);
-      else step_bf16_avx2<MR>(acc, x, ldx, bh, s);
+      if constexpr (sizeof(T) == 4) step_f32_avx2<MR, NV>(acc, x, ldx, bh, s);
+      else step_bf16_avx2<MR, NV>(acc, x, ldx, bh, s);
     };
     int64_t s = 0;
     if (h == 0) {
@@ -424,7 +433,8 @@ void tile_avx2(const Args<T>& a, int64_t m0, int64_t panel, const char* pf,
 #pragma GCC unroll 2
     for (; s < a.Ks; ++s) step(s);
     for (int m = 0; m < MR; ++m)
-      for (int v = 0; v < kVecs2; ++v) _mm256_store_ps(&sums[m][h * kHalf + 8 * v], acc[m][v]);
+      for (int v = 0; v < NV; ++v)
+        _mm256_store_ps(&sums[m][h * kPassCols + 8 * v], acc[m][v]);
   }
   if constexpr (E == Epilogue::kStore) store_epilogue(a, m0, MR, panel * kNR, sums);
   else gated_epilogue(a, E, m0, MR, panel / 2 * kNR, sums, gate);
@@ -432,15 +442,16 @@ void tile_avx2(const Args<T>& a, int64_t m0, int64_t panel, const char* pf,
 
 template <class T>
 void run_panels_avx2(const Args<T>& a, int64_t q0, int64_t q1) {
-  run_panel_tiles<T, kMR2>(a, q0, q1, [&](int64_t m0, int mr, int64_t panel, const char* pf,
+  run_panel_tiles<T, avx2_max_rows<T>()>(a, q0, q1, [&](int64_t m0, int mr, int64_t panel, const char* pf,
                                            const char* pf_end, int lines, float (*gate)[kNR],
                                            auto epilogue) {
     constexpr Epilogue E = decltype(epilogue)::value;
-    switch (mr) {
-      case 1: tile_avx2<T, 1, E>(a, m0, panel, pf, pf_end, lines, gate); break;
-      case 2: tile_avx2<T, 2, E>(a, m0, panel, pf, pf_end, lines, gate); break;
-      case 3: tile_avx2<T, 3, E>(a, m0, panel, pf, pf_end, lines, gate); break;
-      default: tile_avx2<T, 4, E>(a, m0, panel, pf, pf_end, lines, gate); break;
+    if (mr == 1) return tile_avx2<T, 1, E>(a, m0, panel, pf, pf_end, lines, gate);
+    if (mr == 2 || avx2_max_rows<T>() == 2)
+      return tile_avx2<T, 2, E>(a, m0, panel, pf, pf_end, lines, gate);
+    if constexpr (avx2_max_rows<T>() == 4) {
+      if (mr == 3) return tile_avx2<T, 3, E>(a, m0, panel, pf, pf_end, lines, gate);
+      tile_avx2<T, 4, E>(a, m0, panel, pf, pf_end, lines, gate);
     }
   });
 }
