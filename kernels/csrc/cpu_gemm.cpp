@@ -468,7 +468,9 @@ inline void widen_group(const Args<uint16_t>& a, int64_t q, float* wide) {
 
 // bf16 with at least this many rows widens each panel to fp32 once per block of rows and
 // runs the fp32 tiles on it: widening in the tiles costs two ALU ops per weight vector per
-// tile, a quarter of the tile's FMAs. Measured on a Zen 3 EPYC (kernels/bench_linear.py).
+// tile, a quarter of the tile's FMAs. On a Zen 3 EPYC (kernels/bench_linear.py) that ran
+// SmolLM2's bf16 linears at 145-155 GFLOP/s from 64 rows (the 2 x 48 bf16 tiles: 115-124),
+// level with them at 32 rows and slower below.
 constexpr int64_t kWidenMinRows = 32;
 
 template <class T>
