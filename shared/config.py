@@ -117,7 +117,9 @@ class EngineSettings:
     kv_cache_bytes: int | None = None  # KV pool size on CPU; None: the worker's default
     num_kv_blocks: int | None = None  # overrides kv_cache_bytes
     max_model_len: int | None = None  # None: the model's max_position_embeddings
-    dtype: str = "auto"  # one of DTYPES; auto: bfloat16 on CUDA and on CPUs with native bf16, else float32
+    # one of DTYPES; auto: bfloat16 on CUDA and on CPUs where it is the faster dtype
+    # (services/worker/runner_builder.cpu_runs_bf16_fast), else float32
+    dtype: str = "auto"
     device: str = "auto"  # auto, cpu, cuda, cuda:N
     tensor_parallel_size: int = 1  # worker ranks a model is split over (services/worker/parallel.py)
     max_queued_requests: int = 1024  # waiting requests before the scheduler answers overloaded

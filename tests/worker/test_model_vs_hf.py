@@ -74,7 +74,7 @@ def test_prefill_and_decode_logits_match_hf(model_fixture: str, packed: bool,
 
 
 def test_bfloat16_runner_is_as_close_to_fp32_as_hf_bfloat16(smollm2_dir: Path) -> None:
-    """bf16 (``dtype=auto`` on CPUs with native bf16): weights, activations and KV cache
+    """bf16 (``dtype=auto`` where it is the faster CPU dtype): weights, activations and KV cache
     in bf16, norms, rotary and softmax in fp32. Oracle: HF in fp32; the yardstick: HF's
     own bf16 model at the same positions. Our error must be of the same size as HF's
     (a broken path, e.g. a wrong dtype in the cache or a lost scale, is many times off)
