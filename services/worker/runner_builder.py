@@ -143,6 +143,8 @@ def build_runner(model_dir: Path, spec: RunnerSpec, tp: TensorParallel = SINGLE)
             torch.cuda.set_device(device)  # replays go to its streams
         baseline_used = cuda_used(device)  # before the weights: not the worker's
     dtype = resolve_dtype(spec.dtype, device)
+    log.info("computing in %s on %s%s", str(dtype).removeprefix("torch."), device,
+             " (--dtype auto)" if spec.dtype == "auto" else "")
     try:
         model = load_model(model_dir, dtype, device, max_position=None, tp=tp)
     except ShardingError as e:
