@@ -31,12 +31,14 @@
 // lane; it is not torch's, so an output may differ from F.linear on fp32 copies by a
 // bf16 ulp where the sum sits near a tie, or by fp32 rounding.
 //
-// Without AVX-512 (or bf16 without AVX512-BF16), AVX2 + FMA machines run 4 x 24 tiles of
-// ymm registers over the same panels, bf16 widened to fp32 in registers (tile_avx2).
-// (PAGODA_NO_AVX512 builds that path on an AVX-512 machine: tests.) Without AVX2, or
-// with PAGODA_PORTABLE (which tests use to build the fallback anywhere), plain loops over the same layout run instead: correct, slow, and the caller
-// (services/worker/layers/linear.py) then keeps oneDNN (simd_dtypes() says which dtypes
-// have a vector path, tile_paths() which). Inputs are checked here (ValueError).
+// Without AVX-512 (or bf16 without AVX512-BF16), AVX2 + FMA machines run tiles of ymm
+// registers over the same panels, bf16 widened to fp32 in registers or, from 32 rows, a
+// panel at a time (tile_avx2 and what precedes it). PAGODA_NO_AVX512 builds that path on
+// an AVX-512 machine (tests). Without AVX2, or with PAGODA_PORTABLE (which tests use to
+// build the fallback anywhere), plain loops over the same layout run instead: correct,
+// slow, and the caller (services/worker/layers/linear.py) then keeps oneDNN
+// (simd_dtypes() says which dtypes have a vector path, tile_paths() which). Inputs are
+// checked here (ValueError).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
@@ -473,6 +475,20 @@ inline void widen_group(const Args<uint16_t>& a, int64_t q, float* wide) {
 // level with them at 32 rows and slower below.
 constexpr int64_t kWidenMinRows = 32;
 
+// One AVX2 tile of mr rows (up to Wide ? 4 : avx2_max_rows<T>()), as tile_avx2.
+template <class T, Epilogue E, bool Wide>
+void run_tile_avx2(const Args<T>& a, int64_t m0, int mr, int64_t panel, const char* pf,
+                   const char* pf_end, int lines, float (*gate)[kNR], const float* wide) {
+  constexpr int max_rows = Wide ? 4 : avx2_max_rows<T>();
+  if (mr == 1) return tile_avx2<T, 1, E, Wide>(a, m0, panel, pf, pf_end, lines, gate, wide);
+  if (mr == 2 || max_rows == 2)
+    return tile_avx2<T, 2, E, Wide>(a, m0, panel, pf, pf_end, lines, gate, wide);
+  if constexpr (max_rows == 4) {
+    if (mr == 3) return tile_avx2<T, 3, E, Wide>(a, m0, panel, pf, pf_end, lines, gate, wide);
+    tile_avx2<T, 4, E, Wide>(a, m0, panel, pf, pf_end, lines, gate, wide);
+  }
+}
+
 template <class T>
 void run_panels_avx2(const Args<T>& a, int64_t q0, int64_t q1) {
   if constexpr (sizeof(T) == 2) {
@@ -480,35 +496,26 @@ void run_panels_avx2(const Args<T>& a, int64_t q0, int64_t q1) {
       // per thread, reused across calls: a panel group is ~100-600 KB, which malloc would
       // map and unmap (and fault in) on every call
       thread_local std::vector<float> wide;
-      const int64_t group_floats = group_panels(a.gated) * 2 * a.Ks * kNR;
+      const int64_t panel_floats = 2 * a.Ks * kNR;
+      const int64_t group_floats = group_panels(a.gated) * panel_floats;
       if (static_cast<int64_t>(wide.size()) < group_floats) wide.resize(group_floats);
       float* w = wide.data();
       run_panel_tiles<T, 4>(a, q0, q1, [&](int64_t m0, int mr, int64_t panel, const char* pf,
                                            const char* pf_end, int lines, float (*gate)[kNR],
                                            auto epilogue) {
-        constexpr Epilogue E = decltype(epilogue)::value;
-        const float* pw = w + (a.gated ? panel % 2 : 0) * 2 * a.Ks * kNR;
-        switch (mr) {
-          case 1: tile_avx2<T, 1, E, true>(a, m0, panel, pf, pf_end, lines, gate, pw); break;
-          case 2: tile_avx2<T, 2, E, true>(a, m0, panel, pf, pf_end, lines, gate, pw); break;
-          case 3: tile_avx2<T, 3, E, true>(a, m0, panel, pf, pf_end, lines, gate, pw); break;
-          default: tile_avx2<T, 4, E, true>(a, m0, panel, pf, pf_end, lines, gate, pw); break;
-        }
+        const float* pw = w + (a.gated ? panel % 2 : 0) * panel_floats;
+        run_tile_avx2<T, decltype(epilogue)::value, true>(a, m0, mr, panel, pf, pf_end, lines,
+                                                          gate, pw);
       }, [&](int64_t q) { widen_group(a, q, w); });
       return;
     }
   }
-  run_panel_tiles<T, avx2_max_rows<T>()>(a, q0, q1, [&](int64_t m0, int mr, int64_t panel, const char* pf,
-                                           const char* pf_end, int lines, float (*gate)[kNR],
-                                           auto epilogue) {
-    constexpr Epilogue E = decltype(epilogue)::value;
-    if (mr == 1) return tile_avx2<T, 1, E>(a, m0, panel, pf, pf_end, lines, gate);
-    if (mr == 2 || avx2_max_rows<T>() == 2)
-      return tile_avx2<T, 2, E>(a, m0, panel, pf, pf_end, lines, gate);
-    if constexpr (avx2_max_rows<T>() == 4) {
-      if (mr == 3) return tile_avx2<T, 3, E>(a, m0, panel, pf, pf_end, lines, gate);
-      tile_avx2<T, 4, E>(a, m0, panel, pf, pf_end, lines, gate);
-    }
+  run_panel_tiles<T, avx2_max_rows<T>()>(a, q0, q1, [&](int64_t m0, int mr, int64_t panel,
+                                                        const char* pf, const char* pf_end,
+                                                        int lines, float (*gate)[kNR],
+                                                        auto epilogue) {
+    run_tile_avx2<T, decltype(epilogue)::value, false>(a, m0, mr, panel, pf, pf_end, lines,
+                                                       gate, nullptr);
   }, [](int64_t) {});
 }
 #endif
