@@ -34,6 +34,7 @@ down) and the lm_head once, and gives each kernel's GFLOP/s there as a % of that
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import statistics
 import time
@@ -85,6 +86,7 @@ def read_bandwidth(rounds: int) -> float:  # bytes / s of torch's sum over a 256
     return t.numel() * 4 / statistics.median(times)
 
 
+@functools.cache  # asked on every timed baseline call: probe once
 def onednn_packs(dtype: torch.dtype) -> bool:
     """Whether oneDNN packs a linear weight of this dtype here (bf16 needs AVX-512 or
     AVX-NE-CONVERT; elsewhere torch's F.linear is the baseline, as the engine falls back)."""

@@ -19,7 +19,8 @@ sums as ``linear`` stores them and then applies ``cpu_fused.silu_mul``'s arithme
 shared ``csrc/cpu_silu.h``): bit-equal to ``silu_mul(linear(x, pack(W), 2 I, b))``.
 The op checks its inputs (ValueError). ``available()`` reports whether it built;
 ``simd_dtypes()`` which dtypes run vector kernels: AVX-512 tiles for fp32, and for bf16
-with AVX512-BF16; else 256-bit AVX2 + FMA tiles (bf16 widened to fp32 in registers);
+with AVX512-BF16; else 256-bit AVX2 + FMA tiles (bf16 widened to fp32 in registers, or
+a panel at a time from 32 rows);
 ``tile_paths()`` which. Without AVX2 the op runs portable loops (tests only), and
 callers keep oneDNN.
 """

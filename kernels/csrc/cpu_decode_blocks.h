@@ -91,7 +91,6 @@ void for_each_tile(const Shape& s, Fn&& tile) {
       }
     }
 }
-
 #endif
 
 #ifdef PAGODA_AVX512

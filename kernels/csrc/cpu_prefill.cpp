@@ -526,7 +526,6 @@ struct Prefill {
       for (int64_t d = 0; d < D; ++d) store(o[r * D + d] / l, dst + d);
     }
   }
-
 #endif
 
   // Row by row: scores of every visible key, softmax, weighted sum of V.
