@@ -352,9 +352,13 @@ void run_panels_avx512(const Args<T>& a, int64_t q0, int64_t q1) {
 
 #ifdef PAGODA_GEMM_AVX2
 // 256-bit tiles (AVX2 + FMA) over the same panels. Sixteen ymm registers hold an fp32
-// tile of 3 or 4 rows x 24 columns (12 accumulators, the three weight vectors of a step
-// and a broadcast), which covers its panel's 48 columns in two passes over K, the second
-// reading the panel from L1/L2; a tile of 1 or 2 rows takes all 48 columns in one pass
+// tile of 5 or 6 rows x 16 columns (12 accumulators, the two weight vectors of a step
+// and a broadcast), which covers its panel's 48 columns in three passes over K, the
+// later ones reading the panel from L1/L2; or of 3 or 4 rows x 24 columns in two passes
+// (three weight vectors). Per row the taller tile reads a third less of the panel from
+// L2, which is what bounds these tiles: on a Zen 3 EPYC 6 x 16 ran SmolLM2's fp32
+// linears 1-7 % and bf16's widened panels 0-6 % faster than 4 x 24 from 64 rows (A/B
+// in one process). A tile of 1 or 2 rows takes all 48 columns in one pass
 // (6 or 12 accumulators), since with so few FMAs a step the accumulators' dependency
 // chains, not the FMA units, would set the pace of the weight stream. bf16 tiles are
 // always of 1 or 2 rows in one pass: each weight vector is widened once per tile, and
@@ -367,9 +371,9 @@ void run_panels_avx512(const Args<T>& a, int64_t q0, int64_t q1) {
 // and each lane sums in K order.
 template <class T>
 constexpr int avx2_max_rows() {
-  return sizeof(T) == 2 ? 2 : 4;
+  return sizeof(T) == 2 ? 2 : 6;
 }
-constexpr int avx2_vectors(int rows) { return rows <= 2 ? kNR / 8 : kNR / 16; }  // per pass
+constexpr int avx2_vectors(int rows) { return rows <= 2 ? kNR / 8 : rows <= 4 ? kNR / 16 : 2; }  // per pass
 
 template <int MR, int NV>
 __attribute__((always_inline)) inline void step_f32_avx2(__m256 (&acc)[MR][NV], const float* x,
@@ -426,7 +430,9 @@ void tile_avx2(const Args<T>& a, int64_t m0, int64_t panel, const char* pf,
     __m256 acc[MR][NV];
     for (int m = 0; m < MR; ++m)
       for (int v = 0; v < NV; ++v) acc[m][v] = _mm256_setzero_ps();
-    auto step = [&](int64_t s) {
+    // always_inline: GCC left the 6-row step an out-of-line call (its accumulators in
+    // memory), at 40 % of the speed
+    auto step = [&](int64_t s) __attribute__((always_inline)) {
       if constexpr (kF32) {
         const float* b = Wide ? wide : reinterpret_cast<const float*>(a.packed) + panel * a.Ks * kNR;
         step_f32_avx2<MR, NV>(acc, x, ldx, b + h * kPassCols, s);
@@ -479,13 +485,17 @@ constexpr int64_t kWidenMinRows = 32;
 template <class T, Epilogue E, bool Wide>
 void run_tile_avx2(const Args<T>& a, int64_t m0, int mr, int64_t panel, const char* pf,
                    const char* pf_end, int lines, float (*gate)[kNR], const float* wide) {
-  constexpr int max_rows = Wide ? 4 : avx2_max_rows<T>();
+  constexpr int max_rows = Wide ? 6 : avx2_max_rows<T>();
   if (mr == 1) return tile_avx2<T, 1, E, Wide>(a, m0, panel, pf, pf_end, lines, gate, wide);
   if (mr == 2 || max_rows == 2)
     return tile_avx2<T, 2, E, Wide>(a, m0, panel, pf, pf_end, lines, gate, wide);
-  if constexpr (max_rows == 4) {
+  if constexpr (max_rows >= 4) {
     if (mr == 3) return tile_avx2<T, 3, E, Wide>(a, m0, panel, pf, pf_end, lines, gate, wide);
-    tile_avx2<T, 4, E, Wide>(a, m0, panel, pf, pf_end, lines, gate, wide);
+    if (mr == 4 || max_rows == 4) return tile_avx2<T, 4, E, Wide>(a, m0, panel, pf, pf_end, lines, gate, wide);
+  }
+  if constexpr (max_rows == 6) {
+    if (mr == 5) return tile_avx2<T, 5, E, Wide>(a, m0, panel, pf, pf_end, lines, gate, wide);
+    tile_avx2<T, 6, E, Wide>(a, m0, panel, pf, pf_end, lines, gate, wide);
   }
 }
 
@@ -500,7 +510,7 @@ void run_panels_avx2(const Args<T>& a, int64_t q0, int64_t q1) {
       const int64_t group_floats = group_panels(a.gated) * panel_floats;
       if (static_cast<int64_t>(wide.size()) < group_floats) wide.resize(group_floats);
       float* w = wide.data();
-      run_panel_tiles<T, 4>(a, q0, q1, [&](int64_t m0, int mr, int64_t panel, const char* pf,
+      run_panel_tiles<T, 6>(a, q0, q1, [&](int64_t m0, int mr, int64_t panel, const char* pf,
                                            const char* pf_end, int lines, float (*gate)[kNR],
                                            auto epilogue) {
         const float* pw = w + (a.gated ? panel % 2 : 0) * panel_floats;
@@ -613,6 +623,34 @@ at::Tensor pack_gated(const at::Tensor& weight) {
   return pack(pairs.view({2 * Q * kNR, K}));
 }
 
+#ifdef PAGODA_GEMM_AVX2
+// The bf16 rows [M, K] (row stride ldx) widened to fp32 (exact) in the calling thread's
+// buffer, which the call's tiles read: one ATen to() per linear cost a few microseconds
+// of dispatch and allocation, 121 times a SmolLM2 step, a tenth of a batch-1 step's
+// non-GEMM time. Large inputs are widened on the pool.
+const float* widen_rows(const uint16_t* x, int64_t M, int64_t K, int64_t ldx) {
+  thread_local std::vector<float> buffer;
+  if (static_cast<int64_t>(buffer.size()) < M * K) buffer.resize(M * K);
+  float* out = buffer.data();
+  auto rows = [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const uint16_t* src = x + m * ldx;
+      float* dst = out + m * K;
+      int64_t k = 0;
+      for (; k + 8 <= K; k += 8) {
+        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k));
+        _mm256_storeu_ps(dst + k, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+      }
+      for (; k < K; ++k) dst[k] = to_f32(src[k]);
+    }
+  };
+  constexpr int64_t kSerialElems = 1 << 16;  // below this a parallel region costs more
+  if (M * K <= kSerialElems) rows(0, M);
+  else at::parallel_for(0, M, std::max<int64_t>(1, kSerialElems / K), rows);
+  return out;
+}
+#endif
+
 at::Tensor run_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n,
                       const std::optional<at::Tensor>& bias_in, bool gated) {
   check_cpu_float(x_in, "x");
@@ -650,12 +688,12 @@ at::Tensor run_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t 
               static_cast<const T*>(packed.const_data_ptr()),
               bias.defined() ? static_cast<const T*>(bias.const_data_ptr()) : nullptr,
               static_cast<T*>(out.mutable_data_ptr()), M, n, Ks, x.stride(0), gated};
-    at::Tensor xf;  // the 256-bit bf16 tiles' widened x (exact: bf16 -> fp32)
+#ifdef PAGODA_GEMM_AVX2
     if constexpr (sizeof(T) == 2 && path_for<T>() == Path::kAvx2) {
-      xf = x.to(at::kFloat).contiguous();
-      a.xf = xf.const_data_ptr<float>();
-      a.ldxf = xf.stride(0);
+      a.xf = widen_rows(a.x, M, Ks * 2, a.ldx);
+      a.ldxf = Ks * 2;
     }
+#endif
     at::parallel_for(0, Q, 1, [&](int64_t q0, int64_t q1) { run_panels(a, q0, q1); });
   };
   if (x.scalar_type() == at::kFloat) run(float{});

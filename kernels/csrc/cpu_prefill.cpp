@@ -416,6 +416,17 @@ struct Prefill {
   static constexpr int64_t kKeys2 = 64;
   static constexpr int kKeyVecs = kKeys2 / 8;
 
+  static float hmax8(__m256 v) {
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+  }
+  static float hsum8(__m256 v) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+  }
+
   // The output slice of NV ymm (8 NV dims from orow) of a row: times alpha, plus the
   // weighted V rows of keys [lo, hi) of the chunk (p: their softmax numerators).
   template <int NV>
@@ -453,17 +464,30 @@ struct Prefill {
 #pragma omp simd
       for (int64_t t = lo; t < hi; ++t) sc[t] = cap * tanh_f32(sc[t] / cap);
     }
-    float mx = m;
-#pragma omp simd reduction(max : mx)
-    for (int64_t t = lo; t < hi; ++t) mx = std::max(mx, sc[t]);
-    const float alpha = exp_f32(m - mx);  // m = -inf (no key seen yet): 0
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = lo; t < hi; ++t) {
-      sc[t] = exp_f32(sc[t] - mx);
-      sum += sc[t];
+    // the 8-key groups that hold [lo, hi); keys outside it are masked to -inf (exp 0)
+    const int64_t g0 = lo / 8, g1 = (hi + 7) / 8;
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256 neg_inf = _mm256_set1_ps(kNegInf);
+    __m256 vmax = neg_inf;
+    for (int64_t g = g0; g < g1; ++g) {
+      const __m256i t = _mm256_add_epi32(lane, _mm256_set1_epi32(static_cast<int>(8 * g)));
+      const __m256 inside = _mm256_castsi256_ps(_mm256_and_si256(
+          _mm256_cmpgt_epi32(t, _mm256_set1_epi32(static_cast<int>(lo) - 1)),
+          _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(hi)), t)));
+      const __m256 v = _mm256_blendv_ps(neg_inf, _mm256_load_ps(sc + 8 * g), inside);
+      _mm256_store_ps(sc + 8 * g, v);
+      vmax = _mm256_max_ps(vmax, v);
     }
-    l = l * alpha + sum;
+    const float mx = std::max(m, hmax8(vmax));
+    const float alpha = exp_f32(m - mx);  // m = -inf (no key seen yet): 0
+    const __m256 vmx = _mm256_set1_ps(mx);
+    __m256 vsum = _mm256_setzero_ps();
+    for (int64_t g = g0; g < g1; ++g) {
+      const __m256 e = exp_nonpos_avx2(_mm256_sub_ps(_mm256_load_ps(sc + 8 * g), vmx));
+      _mm256_store_ps(sc + 8 * g, e);
+      vsum = _mm256_add_ps(vsum, e);
+    }
+    l = l * alpha + hsum8(vsum);
     m = mx;
     const float* vp = w.vp.data();
     for (int64_t d0 = 0; d0 < D; d0 += 64) {
