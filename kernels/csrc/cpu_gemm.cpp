@@ -45,6 +45,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -107,6 +108,9 @@ struct Args {
   // apart); unused elsewhere.
   const float* xf = nullptr;
   int64_t ldxf = 0;
+  // The panel group this thread reads after its range (-1: none, or the one past it):
+  // the range's last group prefetches it.
+  int64_t after = -1;
 };
 
 // What a tile does with its sums: store them; or, of a gated pair, keep the gate's
@@ -192,8 +196,9 @@ void run_panel_tiles(const Args<T>& a, int64_t q0, int64_t q1, Tile tile, Prepar
                           : static_cast<int>(std::max<int64_t>(1, (kVecs + tiles - 1) / tiles));
     const int64_t share = static_cast<int64_t>(lines) * a.Ks * kLine;  // bytes per call
     for (int64_t q = q0; q < q1; ++q) {
-      const char* next = base + (q + 1) * group_bytes;
-      const char* next_end = q + 1 < q1 ? next + group_bytes : next;  // none past the range
+      const int64_t nq = q + 1 < q1 ? q + 1 : a.after;  // the group read next, -1: none
+      const char* next = base + std::max<int64_t>(nq, 0) * group_bytes;
+      const char* next_end = nq >= 0 ? next + group_bytes : next;
       prepare(q);
       for (int64_t t = 0; t < tiles; ++t) {
         const int64_t m0 = mb + t * MaxRows;
@@ -602,6 +607,30 @@ void run_panels(const Args<T>& a, int64_t q0, int64_t q1) {
   if constexpr (path == Path::kPortable) run_panels_portable(a, q0, q1);
 }
 
+// At 1-2 rows (a lone AVX2 tile, streaming the weights) the panel groups are dealt in
+// chunks through a counter instead of one contiguous half a thread: the thread that
+// starts the region runs ahead of the one it wakes, and the two cores' share of DRAM
+// bandwidth differs from moment to moment, so with fixed halves one waited for the other
+// at the end of every linear. Each thread claims its next chunk before running this one,
+// whose last group prefetches the next chunk's first. On the Zen 3 box: SmolLM2's bf16
+// linears at 1 row +4 % (one-process A/B, weights from DRAM).
+constexpr int64_t kDealMaxRows = 2;
+
+template <class T>
+void deal_chunks(const Args<T>& a, int64_t Q, int64_t threads) {
+  const int64_t chunk = std::max<int64_t>(1, Q / (4 * threads));
+  std::atomic<int64_t> counter{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    Args<T> mine = a;
+    for (int64_t c = counter.fetch_add(chunk); c < Q;) {
+      const int64_t n = counter.fetch_add(chunk);
+      mine.after = n < Q ? n : -1;
+      run_panels(mine, c, std::min(Q, c + chunk));
+      c = n;
+    }
+  });
+}
+
 void check_cpu_float(const at::Tensor& t, const char* what) {
   TORCH_CHECK_VALUE(t.device().is_cpu(), what, " must be a CPU tensor, got ", t.device());
   TORCH_CHECK_VALUE(t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kFloat, what,
@@ -710,7 +739,12 @@ at::Tensor run_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t 
       a.ldxf = Ks * 2;
     }
 #endif
-    at::parallel_for(0, Q, 1, [&](int64_t q0, int64_t q1) { run_panels(a, q0, q1); });
+    const int64_t threads = at::get_num_threads();
+    if (path_for<T>() == Path::kAvx2 && M <= kDealMaxRows && Q >= 4 * threads && threads > 1) {
+      deal_chunks(a, Q, threads);
+    } else {
+      at::parallel_for(0, Q, 1, [&](int64_t q0, int64_t q1) { run_panels(a, q0, q1); });
+    }
   };
   if (x.scalar_type() == at::kFloat) run(float{});
   else run(uint16_t{});
