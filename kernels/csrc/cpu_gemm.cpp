@@ -79,6 +79,9 @@ namespace {
 using namespace pagoda_cpu_scalar;
 using pagoda_cpu_silu::silu_bf16_table;
 using pagoda_cpu_silu::silu_rounded;
+#if defined(__AVX2__) && !defined(PAGODA_PORTABLE)
+using pagoda_cpu_silu::silu_f32x8;
+#endif
 
 constexpr int kNR = 48;              // output columns per panel (three 16-lane vectors)
 constexpr int kVecs = kNR / 16;
@@ -143,8 +146,14 @@ void gated_epilogue(const Args<T>& a, Epilogue e, int64_t m0, int rows, int64_t 
     }
     T* out = a.out + (m0 + m) * a.N + n0;
     if constexpr (sizeof(T) == 4) {
-#pragma omp simd
-      for (int64_t c = 0; c < cols; ++c)
+      int64_t c = 0;
+#if defined(__AVX2__) && !defined(PAGODA_PORTABLE)
+      for (; c + 8 <= cols; c += 8)
+        _mm256_storeu_ps(out + c, _mm256_mul_ps(silu_f32x8(_mm256_loadu_ps(&gate[m][c])),
+                                                _mm256_add_ps(_mm256_loadu_ps(&sums[m][c]),
+                                                              _mm256_loadu_ps(&bias[c]))));
+#endif
+      for (; c < cols; ++c)
         store(silu_rounded<T>(gate[m][c]) * (sums[m][c] + bias[c]), out + c);
     } else {
       const float* table = silu_bf16_table();
