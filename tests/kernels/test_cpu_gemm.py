@@ -316,6 +316,24 @@ def test_linear_silu_is_silu_mul_of_the_linear(gemm: Build, dtype: torch.dtype, 
     assert torch.equal(got, want)
 
 
+def test_linear_silu_matches_silu_mul_at_the_ends_of_exp(gemm: Build, dtype: torch.dtype) -> None:
+    """Gates densely across the whole range of the SiLU's exp (both cut-offs, where exp
+    overflows and underflows), signed zeros, infinities and NaN, 48 columns a row so the
+    vector epilogue runs, not only its scalar tail: the same bits as cpu_fused.silu_mul
+    (NaN where it has NaN)."""
+    if not cpu_fused.available():
+        pytest.skip("the cpu_fused extension did not build")
+    specials = [-0.0, 0.0, 1e-30, -1e-30, float("inf"), float("-inf"), float("nan")]
+    x = torch.cat([torch.linspace(-100.0, 100.0, 1601), torch.tensor(specials)]).view(-1, 1)
+    scales = 1.0 + torch.arange(48) / 64.0  # gate = x * scale: K = 1, one exact product
+    w = torch.cat([scales, torch.ones(48)]).view(96, 1)  # the gate rows, then the up rows
+    x, w = x.to(dtype), w.to(dtype)
+    want = cpu_fused.silu_mul(gemm.linear(x, gemm.pack(w), 96, None))
+    got = gemm.linear_silu(x, gemm.pack_gated(w), 48, None)
+    same = (got == want) | (got.isnan() & want.isnan())
+    assert bool(same.all()), f"{int((~same).sum())} of {same.numel()} outputs differ"
+
+
 def test_pack_gated_layout() -> None:
     """Panel 2j holds gate rows [48 j, 48 j + 48) and panel 2j + 1 the same up rows,
     each zero past I: pack() of that row order."""
