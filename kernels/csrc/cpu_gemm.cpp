@@ -504,7 +504,7 @@ inline void widen_group(const Args<uint16_t>& a, int64_t q, float* wide) {
 // level with them at 32 rows and slower below.
 constexpr int64_t kWidenMinRows = 32;
 
-// One AVX2 tile of mr rows (up to Wide ? 4 : avx2_max_rows<T>()), as tile_avx2.
+// One AVX2 tile of mr rows (up to Wide ? 6 : avx2_max_rows<T>()), as tile_avx2.
 template <class T, Epilogue E, bool Wide>
 void run_tile_avx2(const Args<T>& a, int64_t m0, int mr, int64_t panel, const char* pf,
                    const char* pf_end, int lines, float (*gate)[kNR], const float* wide) {
