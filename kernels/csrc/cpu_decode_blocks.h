@@ -355,55 +355,59 @@ inline __m256 load8(const uint16_t* p) {  // bf16 is the top half of an fp32
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-// dots[i][t] += the lane products of query row i and token t's K row over the NC ymm of
-// head_dim from d0, for the nt tokens of a group of 8 (k: the group's first row).
-template <int GT, int NC, typename T>
-__attribute__((always_inline)) inline void scores_slice(const Shape& s, const T* k, int64_t nt,
-                                                        int64_t next_delta, const float* q,
-                                                        int64_t d0, __m256 (&dots)[GT][8]) {
+// Tokens a tile's scores take at a time: as many as keep the GT x NT accumulators, the
+// GT query chunks and one K chunk within the 16 ymm registers (GT 3: 12 + 3 + 1).
+template <int GT>
+constexpr int kScoreTokens = GT == 1 ? 8 : GT == 4 ? 2 : 4;
+
+// scores[i, t] = q[i] . k[t] for the GT query rows of a tile (q: [GT, D], pre-scaled)
+// and NT consecutive tokens (k: the first one's row; scores: rows `stride` apart). Per
+// 8-wide chunk of head_dim the tile's query chunks are loaded once for the NT tokens.
+template <int GT, int NT, typename T>
+__attribute__((always_inline)) inline void scores_tokens(const Shape& s, const T* k,
+                                                         int64_t next_delta, const float* q,
+                                                         float* scores, int64_t stride) {
   const int64_t D = s.head_dim;
-  __m256 qr[GT][NC];
+  __m256 dots[GT][NT];
   for (int i = 0; i < GT; ++i)
-    for (int c = 0; c < NC; ++c) qr[i][c] = _mm256_loadu_ps(q + i * D + d0 + 8 * c);
-  for (int64_t t = 0; t < nt; ++t) {
-    const T* kt = k + t * s.row_stride + d0;
-    prefetch_twin(kt, next_delta);
-    __m256 kc[NC];
-    for (int c = 0; c < NC; ++c) kc[c] = load8(kt + 8 * c);
-    for (int i = 0; i < GT; ++i) {
-      __m256 a = dots[i][t];
-      for (int c = 0; c < NC; ++c) a = _mm256_fmadd_ps(qr[i][c], kc[c], a);
-      dots[i][t] = a;
+    for (int t = 0; t < NT; ++t) dots[i][t] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) {
+    __m256 qr[GT];
+    for (int i = 0; i < GT; ++i) qr[i] = _mm256_loadu_ps(q + i * D + d);
+    for (int t = 0; t < NT; ++t) {
+      const T* kt = k + t * s.row_stride + d;
+      if (d % 64 == 0) prefetch_twin(kt, next_delta);
+      const __m256 kc = load8(kt);
+      for (int i = 0; i < GT; ++i) dots[i][t] = _mm256_fmadd_ps(qr[i], kc, dots[i][t]);
+    }
+  }
+  const __m256 zero = _mm256_setzero_ps();
+  for (int i = 0; i < GT; ++i) {
+    for (int t0 = 0; t0 < NT; t0 += 4) {
+      auto at = [&](int t) { return t0 + t < NT ? dots[i][t0 + t] : zero; };
+      const __m128 r = pagoda_cpu_simd::reduce4(at(0), at(1), at(2), at(3));
+      float* out = scores + i * stride + t0;
+      if constexpr (NT >= 4) _mm_storeu_ps(out, r);
+      else {
+        alignas(16) float tmp[4];
+        _mm_store_ps(tmp, r);
+        std::copy(tmp, tmp + std::min(NT - t0, 4), out);
+      }
     }
   }
 }
 
 // scores[i, pos + t] = q[i] . k[t] for the GT query rows of a tile (q: [GT, D], pre-
-// scaled), 8 tokens at a time: per 32-wide slice of head_dim the tile's query slice stays
-// in registers across the 8 tokens, whose lane partial sums are then reduced together.
+// scaled) and the block's tokens, kScoreTokens<GT> at a time, the rest one by one.
 template <int GT, typename T>
 void scores_tile_avx2(const Shape& s, const T* k, BlockView bv, const float* q, float* scores) {
-  const int64_t D = s.head_dim;
-  for (int64_t t0 = 0; t0 < bv.n; t0 += 8) {
-    const int64_t nt = std::min<int64_t>(8, bv.n - t0);
-    const T* kb = k + t0 * s.row_stride;
-    __m256 dots[GT][8];
-    for (int i = 0; i < GT; ++i)
-      for (int t = 0; t < 8; ++t) dots[i][t] = _mm256_setzero_ps();
-    for (int64_t d0 = 0; d0 < D; d0 += 32) {
-      switch (std::min<int64_t>(4, (D - d0) / 8)) {
-        case 1: scores_slice<GT, 1>(s, kb, nt, bv.next_delta, q, d0, dots); break;
-        case 2: scores_slice<GT, 2>(s, kb, nt, bv.next_delta, q, d0, dots); break;
-        case 3: scores_slice<GT, 3>(s, kb, nt, bv.next_delta, q, d0, dots); break;
-        default: scores_slice<GT, 4>(s, kb, nt, bv.next_delta, q, d0, dots); break;
-      }
-    }
-    for (int i = 0; i < GT; ++i) {
-      alignas(32) float r[8];
-      _mm256_store_ps(r, pagoda_cpu_simd::reduce8(dots[i]));
-      std::copy(r, r + nt, scores + i * s.part_tokens + bv.pos + t0);
-    }
-  }
+  constexpr int NT = kScoreTokens<GT>;
+  float* row = scores + bv.pos;
+  int64_t t = 0;
+  for (; t + NT <= bv.n; t += NT)
+    scores_tokens<GT, NT>(s, k + t * s.row_stride, bv.next_delta, q, row + t, s.part_tokens);
+  for (; t < bv.n; ++t)
+    scores_tokens<GT, 1>(s, k + t * s.row_stride, bv.next_delta, q, row + t, s.part_tokens);
 }
 
 // acc[i] += sum_t p[i, pos + t] * v[t] over the NC ymm of head_dim from d0, for the GT

@@ -47,6 +47,7 @@
 
 #include "cpu_prefill_tiles.h"
 #include "cpu_scalar.h"
+#include "cpu_softmax_avx2.h"
 
 #ifndef PAGODA_OP_NS
 #define PAGODA_OP_NS pagoda_cpu_prefill
@@ -56,6 +57,11 @@ namespace {
 
 using namespace pagoda_cpu_prefill;
 using namespace pagoda_cpu_scalar;  // to_f32, store, exp_f32
+#ifdef PAGODA_PREFILL_AVX2
+using pagoda_cpu_simd::exp_nonpos_avx2;
+using pagoda_cpu_simd::hmax8;
+using pagoda_cpu_simd::hsum8;
+#endif
 
 // Rows per item: two row blocks. Fewer rows re-pack each K/V chunk for less work; more
 // rows coarsen the load balance and grow the per-thread scratch.
@@ -415,17 +421,6 @@ struct Prefill {
   // products and sums (another order), P kept in fp32, out = O / l rounded once.
   static constexpr int64_t kKeys2 = 64;
   static constexpr int kKeyVecs = kKeys2 / 8;
-
-  static float hmax8(__m256 v) {
-    __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
-  }
-  static float hsum8(__m256 v) {
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
-  }
 
   // The output slice of NV ymm (8 NV dims from orow) of a row: times alpha, plus the
   // weighted V rows of keys [lo, hi) of the chunk (p: their softmax numerators).

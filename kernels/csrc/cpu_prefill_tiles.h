@@ -172,32 +172,4 @@ inline __m512 tanh_ps(__m512 x) {
 }
 #endif  // PAGODA_PREFILL_AVX512
 
-#ifdef PAGODA_PREFILL_AVX2
-// exp(x) of 8 lanes, x <= 0 or -inf (scores less their running max), the Cephes
-// polynomial of cpu_scalar.h's exp_f32 with the power of two built in the exponent bits.
-// Inputs below -87.33 (-inf included) give exactly 0, as exp_f32; NaN stays NaN (max_ps
-// returns its second operand when either is NaN). The row loops' exp_f32 calls did not
-// vectorise over a chunk's ragged key ranges: an out-of-line call a score, 40 % of the
-// AVX2 prefill's time.
-inline __m256 exp_nonpos_avx2(__m256 x) {
-  const __m256 xc = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), xc);
-  r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
-  const __m256i two_n = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  const __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
-  const __m256 tiny = _mm256_cmp_ps(x, _mm256_set1_ps(-87.33655f), _CMP_LT_OQ);
-  return _mm256_andnot_ps(tiny, e);
-}
-#endif  // PAGODA_PREFILL_AVX2
-
 }  // namespace pagoda_cpu_prefill

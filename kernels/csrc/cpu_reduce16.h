@@ -1,6 +1,6 @@
 // The horizontal sums of 16 AVX-512 vectors at once, shared by the CPU kernels that
 // accumulate lane partial sums per output (cpu_decode_blocks.h: scores; cpu_gemv.cpp:
-// linear outputs), defined only where the compiler targets AVX-512F; and of 8 AVX2
+// linear outputs), defined only where the compiler targets AVX-512F; and of 4 AVX2
 // vectors (cpu_decode_blocks.h's AVX2 scores), where it targets AVX2.
 #pragma once
 
@@ -36,14 +36,12 @@ __attribute__((always_inline)) inline __m512 reduce16(const __m512* v) {
 
 namespace pagoda_cpu_simd {
 
-// r[i] = sum of the 8 lanes of v[i], i < 8 (AVX2): two rounds of pairwise hadd within
-// 128-bit lanes, then the two halves folded.
-__attribute__((always_inline)) inline __m256 reduce8(const __m256* v) {
-  const __m256 h01 = _mm256_hadd_ps(v[0], v[1]), h23 = _mm256_hadd_ps(v[2], v[3]);
-  const __m256 h45 = _mm256_hadd_ps(v[4], v[5]), h67 = _mm256_hadd_ps(v[6], v[7]);
-  // per 128-bit lane: the four rows' partial sums (low lane: elements 0-3, high: 4-7)
-  const __m256 q0 = _mm256_hadd_ps(h01, h23), q1 = _mm256_hadd_ps(h45, h67);
-  return _mm256_add_ps(_mm256_permute2f128_ps(q0, q1, 0x20), _mm256_permute2f128_ps(q0, q1, 0x31));
+// The sums of the 8 lanes of a, b, c and d, in that order (AVX2): pairwise hadd within
+// 128-bit lanes twice, then the two halves folded, so each sum is
+// ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)).
+__attribute__((always_inline)) inline __m128 reduce4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }
 
 }  // namespace pagoda_cpu_simd
