@@ -150,6 +150,30 @@ def test_thread_count_does_not_change_results() -> None:
     assert torch.equal(outs[0], outs[1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_softmax_ignores_scores_past_a_shorter_sequence(dtype: torch.dtype) -> None:
+    """One thread reuses its score scratch from item to item: sequence 0 (40 keys) leaves
+    its softmax numerators (>= 0) at keys 33-39, where sequence 1 (33 keys: 32 + a 1-key
+    tail) has none, and every score of sequence 1 is -200. A softmax whose max took in
+    the lanes past a row's end would take ~1 as its max and underflow every numerator
+    to 0 (NaN out); the reference's max is -200 (uniform weights)."""
+    D = 64
+    query, k, v, tables, lens = _inputs([40, 33], 9, 3, D, 16, dtype)
+    u = torch.randn(D, generator=torch.Generator().manual_seed(5))
+    u = u / u.norm()
+    query[1] = (-u).to(dtype)  # every head of sequence 1 asks against u
+    for pos in range(33):  # and every key of sequence 1 lies along u: scores -200
+        k[int(tables[1, pos // 16]), pos % 16] = (200.0 * D ** 0.5 * u).to(dtype)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)  # items 0 then 1 on one thread, one scratch
+        out = cpu_decode.paged_decode_attention(query, k, v, tables, lens, D ** -0.5)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.isfinite(out.float()).all()
+    assert_close(out, _reference(query, k, v, tables, lens), dtype, f"stale scores {dtype}")
+
+
 def _bad_inputs() -> list[tuple[str, tuple]]:
     query, k, v, tables, lens = _inputs([7, 20], 4, 2, 32, 16, torch.float32)
     return [
