@@ -16,6 +16,12 @@
 // its 48 columns, column-major within the step (bf16: D = 2, the pair vdpbf16ps adds
 // into one lane; fp32: D = 1). So a step is 192 bytes (three cache lines) in both dtypes
 // and a panel is one contiguous run; columns past N and K elements past K are zero.
+// The AVX2 tiles (split_panels()) store a panel instead as its three runs of kRunCols =
+// 16 columns one after another, each over all Ks steps ([P, 3, Ks, 16 D], the same size):
+// a 16-column pass of the 6-row fp32 tile then reads one sequential stream instead of
+// every third line of the panel, which on a Zen 3 EPYC held the tiles at ~77 % of the FMA
+// peak (~97 % on runs, a standalone tile at SmolLM2's shapes), and a 1-row tile's three
+// streams read the weights ~20 % faster from DRAM than one.
 //
 // Work: the panels are split into contiguous ranges over torch's pool. A thread takes x
 // in blocks of kMBlock rows (L2-resident) and, per panel, runs register tiles of kMR = 8
@@ -87,6 +93,7 @@ constexpr int kNR = 48;              // output columns per panel (three 16-lane 
 constexpr int kVecs = kNR / 16;
 constexpr int kMR = 8;               // x rows per register tile: 8 x 3 = 24 accumulators
 constexpr int64_t kStepBytes = 192;  // one step of a panel, both dtypes
+constexpr int kRunCols = 16;         // columns of a run of a split panel (see the layout)
 constexpr int64_t kLine = 64;
 // x rows a thread takes across all its panels before the next block: 256 rows of K =
 // 1536 bf16 are 768 KB, within the 1-2 MB L2 of the build machines.
@@ -188,10 +195,10 @@ void store_epilogue(const Args<T>& a, int64_t m0, int rows, int64_t n0,
 // next group, [pf, pf_end), `lines` lines a step. prepare(q) runs before the tiles of
 // group q in each block of rows.
 // lone_tile_lines: how many lines a step a lone tile (x of at most MaxRows rows)
-// prefetches of the next group, 0 for as many as reach its end (kVecs).
+// prefetches of the next group (kVecs: as many as reach its end; 0: none).
 template <class T, int MaxRows, class Tile, class Prepare>
 void run_panel_tiles(const Args<T>& a, int64_t q0, int64_t q1, Tile tile, Prepare prepare,
-                     int lone_tile_lines = 0) {
+                     int lone_tile_lines = kVecs) {
   const int G = group_panels(a.gated);
   const int64_t group_bytes = G * a.Ks * kStepBytes;
   const char* base = reinterpret_cast<const char*>(a.packed);
@@ -200,7 +207,7 @@ void run_panel_tiles(const Args<T>& a, int64_t q0, int64_t q1, Tile tile, Prepar
     const int64_t rows = std::min(kMBlock, a.M - mb);
     const int64_t tiles = (rows + MaxRows - 1) / MaxRows;
     // the next group's G * 3 * Ks lines over G * tiles calls of Ks steps
-    const int lines = tiles == 1 && lone_tile_lines > 0
+    const int lines = tiles == 1
                           ? lone_tile_lines
                           : static_cast<int>(std::max<int64_t>(1, (kVecs + tiles - 1) / tiles));
     const int64_t share = static_cast<int64_t>(lines) * a.Ks * kLine;  // bytes per call
@@ -398,12 +405,25 @@ constexpr int avx2_max_rows() {
 }
 constexpr int avx2_vectors(int rows) { return rows <= 2 ? kNR / 8 : rows <= 4 ? kNR / 16 : 2; }  // per pass
 
+// The first element of each weight vector of pass h (8 columns from column 8 NV h + 8 v)
+// at step 0 of a split panel of `steps` steps and depth D: in its run, kRunCols D elements
+// a step.
+template <int D, int NV, class E>
+__attribute__((always_inline)) inline void run_pointers(const E* panel, int64_t steps, int h,
+                                                        const E* (&out)[NV]) {
+  for (int v = 0; v < NV; ++v) {
+    const int c = h * 8 * NV + 8 * v;
+    out[v] = panel + (c / kRunCols * steps * kRunCols + c % kRunCols) * D;
+  }
+}
+
+// bp: run_pointers of the pass
 template <int MR, int NV>
 __attribute__((always_inline)) inline void step_f32_avx2(__m256 (&acc)[MR][NV], const float* x,
-                                                         int64_t ldx, const float* b, int64_t s) {
-  const float* bs = b + s * kNR;
+                                                         int64_t ldx, const float* const (&bp)[NV],
+                                                         int64_t s) {
   __m256 w[NV];
-  for (int v = 0; v < NV; ++v) w[v] = _mm256_loadu_ps(bs + 8 * v);
+  for (int v = 0; v < NV; ++v) w[v] = _mm256_loadu_ps(bp[v] + s * kRunCols);
   for (int m = 0; m < MR; ++m) {
     const __m256 xv = _mm256_broadcast_ss(x + m * ldx + s);
     for (int v = 0; v < NV; ++v) acc[m][v] = _mm256_fmadd_ps(xv, w[v], acc[m][v]);
@@ -412,12 +432,13 @@ __attribute__((always_inline)) inline void step_f32_avx2(__m256 (&acc)[MR][NV], 
 
 template <int MR, int NV>
 __attribute__((always_inline)) inline void step_bf16_avx2(__m256 (&acc)[MR][NV], const float* x,
-                                                          int64_t ldx, const uint16_t* b,
+                                                          int64_t ldx,
+                                                          const uint16_t* const (&bp)[NV],
                                                           int64_t s) {
-  const uint16_t* bs = b + s * 2 * kNR;
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int v = 0; v < NV; ++v) {
-    const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs + 16 * v));
+    const __m256i pairs =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bp[v] + s * 2 * kRunCols));
     const __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
     const __m256 w1 = _mm256_castsi256_ps(_mm256_and_si256(pairs, high));
     for (int m = 0; m < MR; ++m) {
@@ -430,8 +451,8 @@ __attribute__((always_inline)) inline void step_bf16_avx2(__m256 (&acc)[MR][NV],
 
 // Rows [m0, m0 + MR) x the 48 columns of one panel, in passes of 8 NV columns, the first
 // prefetching the lines [pf, pf_end) of the next panel, lines_per_step a step. Wide (bf16
-// only): the panel was widened to fp32 first (`wide`: 2 Ks fp32 steps of 48 columns, the
-// layout of an fp32 panel), and fp32 tiles run on it.
+// only): the panel was widened to fp32 first (`wide`: a split fp32 panel of 2 Ks steps),
+// and fp32 tiles run on it.
 template <class T, int MR, Epilogue E, bool Wide = false>
 void tile_avx2(const Args<T>& a, int64_t m0, int64_t panel, const char* pf,
                const char* pf_end, int lines_per_step, float (*gate)[kNR],
@@ -457,13 +478,13 @@ void tile_avx2(const Args<T>& a, int64_t m0, int64_t panel, const char* pf,
     // memory), at 40 % of the speed
     // the pass's first column in the panel, computed once: inside the step GCC reloaded
     // a.Ks and rebuilt the address every iteration
-    const float* bf = nullptr;
-    const T* bh = nullptr;
+    const float* bf[NV] = {};
+    const uint16_t* bh[NV] = {};
     if constexpr (kF32)
-      bf = (Wide ? wide : reinterpret_cast<const float*>(a.packed) + panel * a.Ks * kNR) +
-           h * kPassCols;
+      run_pointers<1>(Wide ? wide : reinterpret_cast<const float*>(a.packed) + panel * a.Ks * kNR,
+                      steps, h, bf);
     else
-      bh = a.packed + panel * a.Ks * kNR * 2 + h * kPassCols * 2;
+      run_pointers<2>(a.packed + panel * a.Ks * kNR * 2, steps, h, bh);
     auto step = [&](int64_t s) __attribute__((always_inline)) {
       if constexpr (kF32) step_f32_avx2<MR, NV>(acc, x, ldx, bf, s);
       else step_bf16_avx2<MR, NV>(acc, x, ldx, bh, s);
@@ -485,20 +506,23 @@ void tile_avx2(const Args<T>& a, int64_t m0, int64_t panel, const char* pf,
   else gated_epilogue(a, E, m0, MR, panel / 2 * kNR, sums, gate);
 }
 
-// The G bf16 panels of group q widened into fp32 panels (2 Ks steps of 48 columns each):
-// a step's pairs (k, k + 1) of 8 columns become 8 lanes of step 2 k and 8 of step 2 k + 1.
+// The G split bf16 panels of group q widened into split fp32 panels of 2 Ks steps each,
+// one after another: a step's pairs (k, k + 1) of 8 columns become 8 lanes of step 2 k and
+// 8 of step 2 k + 1 in those columns' run. Both sides are read and written in order.
 inline void widen_group(const Args<uint16_t>& a, int64_t q, float* wide) {
   const int G = group_panels(a.gated);
-  const uint16_t* b = a.packed + q * G * a.Ks * kNR * 2;
+  const int64_t steps = 2 * a.Ks;
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
-  for (int64_t s = 0; s < G * a.Ks; ++s)  // the group's panels are adjacent: one run of steps
-    for (int v = 0; v < kNR / 8; ++v) {
-      const __m256i pairs =
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + s * 2 * kNR + 16 * v));
-      _mm256_storeu_ps(wide + 2 * s * kNR + 8 * v, _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16)));
-      _mm256_storeu_ps(wide + (2 * s + 1) * kNR + 8 * v,
-                      _mm256_castsi256_ps(_mm256_and_si256(pairs, high)));
-    }
+  const uint16_t* b = a.packed + q * G * a.Ks * kNR * 2;  // the group's panels are adjacent
+  for (int64_t r = 0; r < G * kNR / kRunCols; ++r, b += a.Ks * 2 * kRunCols)  // runs
+    for (int64_t s = 0; s < a.Ks; ++s)
+      for (int v = 0; v < kRunCols / 8; ++v) {
+        const __m256i pairs = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(b + s * 2 * kRunCols + 16 * v));
+        float* out = wide + r * steps * kRunCols + 2 * s * kRunCols + 8 * v;
+        _mm256_storeu_ps(out, _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16)));
+        _mm256_storeu_ps(out + kRunCols, _mm256_castsi256_ps(_mm256_and_si256(pairs, high)));
+      }
 }
 
 // bf16 with at least this many rows widens each panel to fp32 once per block of rows and
@@ -526,12 +550,11 @@ void run_tile_avx2(const Args<T>& a, int64_t m0, int mr, int64_t panel, const ch
   }
 }
 
-// A lone AVX2 tile (batch 1 or 2 in bf16) streams the weights faster than the next
-// group's prefetches can be issued beside it: all three lines a step (the whole next
-// panel) ran SmolLM2's bf16 linears at 1-2 rows ~20 % slower than one line a step (the
-// next panel's first third, which covers the jump between panels while the hardware
-// prefetcher takes the rest; and 13 % slower than no prefetch at all).
-constexpr int kAvx2LoneTileLines = 1;
+// A lone AVX2 tile (x of up to 2 rows in bf16, 6 in fp32) prefetches nothing of the next
+// group: the hardware prefetcher follows the split panels' three streams across the jump,
+// and on the Zen 3 EPYC one line a step of the next panel (what the interleaved layout
+// needed) ran SmolLM2's fp32 linears at 1-2 rows 4-6 % slower, its bf16 ones level.
+constexpr int kAvx2LoneTileLines = 0;
 
 template <class T>
 void run_panels_avx2(const Args<T>& a, int64_t q0, int64_t q1) {
@@ -652,6 +675,12 @@ void check_cpu_float(const at::Tensor& t, const char* what) {
 
 int64_t depth_of(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16 ? 2 : 1; }
 
+// Whether this build packs a dtype's panels split into runs of kRunCols columns (the
+// layout): those the AVX2 tiles run.
+bool split_panels(at::ScalarType dtype) {
+  return (dtype == at::kFloat ? path_for<float>() : path_for<uint16_t>()) == Path::kAvx2;
+}
+
 // [N, K] -> [P, Ks, kNR * D], zero-padded (see the layout above).
 at::Tensor pack(const at::Tensor& weight) {
   check_cpu_float(weight, "weight");
@@ -660,6 +689,11 @@ at::Tensor pack(const at::Tensor& weight) {
   const int64_t P = (N + kNR - 1) / kNR, Ks = (K + D - 1) / D;
   at::Tensor padded = at::zeros({P * kNR, Ks * D}, weight.options());
   padded.narrow(0, 0, N).narrow(1, 0, K).copy_(weight);
+  if (split_panels(weight.scalar_type()))  // [P, 3, 16, Ks, D] -> [P, 3, Ks, 16, D]
+    return padded.view({P, kNR / kRunCols, kRunCols, Ks, D})
+        .permute({0, 1, 3, 2, 4})
+        .contiguous()
+        .view({P, Ks, kNR * D});
   // [P, 48, Ks, D] -> [P, Ks, 48, D]
   return padded.view({P, kNR, Ks, D}).permute({0, 2, 1, 3}).contiguous().view({P, Ks, kNR * D});
 }

@@ -25,7 +25,8 @@ of SmolLM2-135M at M = 1, 8, 9, 17, 64 (the lm_head at 1 and 9), odd shapes (N a
 the 48-column panel and 16-lane vector edges, N < 16, K odd (bf16 pads the last pair),
 K = 1, M around the 8-row tile and over several 256-row blocks), K = 0, M = 0, N = 0,
 with and without bias; x rows a slice of a wider tensor, x transposed; results
-independent of the thread count; ``pack``'s layout element by element; ValueError for
+independent of the thread count; ``pack``'s layout element by element (interleaved, or
+split into runs of 16 columns where the AVX2 tiles run); ValueError for
 inputs the op does not take; a failed build reported once. NaN / inf are not checked.
 
 The gated pair (``pack_gated`` / ``linear_silu``, a SwiGLU MLP's gate_up and SiLU in one
@@ -53,6 +54,7 @@ if not cpu_gemm.available():
 PORTABLE_NAMESPACE = "pagoda_cpu_gemm_portable"
 AVX2_NAMESPACE = "pagoda_cpu_gemm_avx2"
 PANEL = 48  # output columns per packed panel (the layout's kNR)
+RUN = 16  # columns of a run of a split panel (kRunCols)
 # SmolLM2-135M: qkv, o, gate_up, down, lm_head as (N, K)
 MODEL_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
 MODEL_ROWS = (1, 8, 9, 17, 64)  # one tile, a full tile, tile + 1, several tiles
@@ -248,22 +250,35 @@ def test_thread_count_does_not_change_results(dtype: torch.dtype) -> None:
         assert all(torch.equal(a, c) for a, c in zip(outs[0], other, strict=True))
 
 
-@pytest.mark.parametrize("n,k", [(50, 5), (48, 4), (1, 1), (97, 2)])
+def _splits_panels(gemm: Build, dtype: torch.dtype) -> bool:
+    """Whether this build packs the dtype's panels as three runs of 16 columns (the AVX2
+    tiles' layout) rather than a step's 48 columns side by side."""
+    tiles = gemm.name if gemm.name != "native" else cpu_gemm.tile_paths()[dtype]
+    return tiles == "avx2"
+
+
+@pytest.mark.parametrize("n,k", [(50, 5), (48, 4), (1, 1), (97, 2), (40, 33)])
 def test_pack_layout(gemm: Build, dtype: torch.dtype, n: int, k: int) -> None:
-    """packed[p, s, c * D + d] == W[p * 48 + c, s * D + d], zero where that is past W."""
+    """Interleaved: packed[p, s, c * D + d] == W[p * 48 + c, s * D + d]; split (the AVX2
+    tiles): the panel's memory is [run, s, column in run, d], runs of 16 columns; zero
+    where that is past W."""
     w = torch.arange(1, n * k + 1, dtype=torch.float32).reshape(n, k).to(dtype)  # distinct
     d_ = 2 if dtype == torch.bfloat16 else 1
     panels, steps = -(-n // PANEL), -(-k // d_)
     packed = gemm.pack(w)
     assert packed.dtype == dtype and packed.is_contiguous()
     assert packed.shape == (panels, steps, PANEL * d_)
+    split = _splits_panels(gemm, dtype)
+    runs = packed.view(panels, PANEL // RUN, steps, RUN * d_)
     for p in range(panels):
         for s in range(steps):
             for c in range(PANEL):
                 for d in range(d_):
                     row, col = p * PANEL + c, s * d_ + d
                     want = float(w[row, col]) if row < n and col < k else 0.0
-                    assert float(packed[p, s, c * d_ + d]) == want, (p, s, c, d)
+                    got = (runs[p, c // RUN, s, (c % RUN) * d_ + d] if split
+                           else packed[p, s, c * d_ + d])
+                    assert float(got) == want, (p, s, c, d)
 
 
 def test_tile_paths_follow_the_cpu() -> None:
