@@ -10,9 +10,10 @@ A CPU step is mostly its linears, so each CPU weight is packed once, at load
   fast as ``kernels.cpu_gemv``, and within noise of oneDNN at prefill sizes
   (``python -m kernels.bench_linear``);
 - on an AVX2 machine (no AVX-512: a Zen 3 EPYC) its 256-bit tiles, in both dtypes: fp32
-  1.31x oneDNN at 1 row, 1.28x at 16, 1.11x at 64, 1.04x at 256 (131-139 GFLOP/s from 64
-  rows in that run); bf16, which oneDNN cannot pack there (it needs AVX-512 or AVX-NE-CONVERT),
-  1.38x torch's F.linear at 1 row and 5.7-7.9x from 16 rows (110-153 GFLOP/s);
+  1.53x oneDNN at 1 row, 1.43x at 16, 1.12-1.28x at 64, 1.06-1.16x at 256 (129-168
+  GFLOP/s from 64 rows, two runs); bf16, which oneDNN cannot pack there (it needs AVX-512
+  or AVX-NE-CONVERT), 1.84x torch's F.linear at 1 row and 5.8-8.1x from 16 rows
+  (102-141 GFLOP/s);
 - else oneDNN's linear on the weight reordered into its blocked layout (1.3-2.5x
   ``F.linear`` on plain fp32 weights), and in bf16 at up to ``GEMV_MAX_ROWS`` rows
   ``kernels.cpu_gemv`` on the plain weight, which reads it faster than oneDNN's bf16
