@@ -643,14 +643,19 @@ void run_panels(const Args<T>& a, int64_t q0, int64_t q1) {
   if constexpr (path == Path::kPortable) run_panels_portable(a, q0, q1);
 }
 
-// At 1-2 rows (a lone AVX2 tile, streaming the weights) the panel groups are dealt in
-// chunks through a counter instead of one contiguous half a thread: the thread that
-// starts the region runs ahead of the one it wakes, and the two cores' share of DRAM
-// bandwidth differs from moment to moment, so with fixed halves one waited for the other
-// at the end of every linear. Each thread claims its next chunk before running this one,
-// whose last group prefetches the next chunk's first. On the Zen 3 box: SmolLM2's bf16
-// linears at 1 row +4 % (one-process A/B, weights from DRAM).
-constexpr int64_t kDealMaxRows = 2;
+// Up to a decode step's rows the AVX2 tiles' panel groups are dealt in chunks through a
+// counter instead of one contiguous half a thread: the thread that starts the region runs
+// ahead of the one it wakes, the two cores' share of DRAM bandwidth differs from moment
+// to moment, and under `pagoda serve` the frontends' and the scheduler's wake-ups take a
+// core from one of the threads now and then; with fixed halves the other waited for it
+// at the end of every linear, which at these rows lasts well under a millisecond. Each
+// thread claims its next chunk before running this one, whose last group prefetches the
+// next chunk's first. On the Zen 3 box (one-process A/B, weights from DRAM): SmolLM2's
+// bf16 linears at 1 row +4 %; at 64-512 rows with another process taking ~1 ms every
+// 8 ms (as a frontend does), fp32 and bf16 +3-5 %, and level (+-5 %) without it. A
+// prefill chunk (2048 rows) keeps the halves: its linears are long enough that a
+// stolen millisecond costs either way, and each chunk reads all of x again.
+constexpr int64_t kDealMaxRows = 256;
 
 template <class T>
 void deal_chunks(const Args<T>& a, int64_t Q, int64_t threads) {
