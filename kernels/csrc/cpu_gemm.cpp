@@ -23,7 +23,8 @@
 // peak (~97 % on runs, a standalone tile at SmolLM2's shapes), and a 1-row tile's three
 // streams read the weights ~20 % faster from DRAM than one.
 //
-// Work: the panels are split into contiguous ranges over torch's pool. A thread takes x
+// Work: the panels are split into contiguous ranges over torch's pool (the AVX2 tiles, up
+// to kDealMaxRows rows: dealt in chunks through a counter, deal_chunks). A thread takes x
 // in blocks of kMBlock rows (L2-resident) and, per panel, runs register tiles of kMR = 8
 // rows x 48 columns (24 accumulators) over all of K: per step, three loads of the panel
 // and one broadcast per x row (a bf16 pair or an fp32 element), 3 * MR FMAs. The panel
@@ -430,17 +431,23 @@ __attribute__((always_inline)) inline void step_f32_avx2(__m256 (&acc)[MR][NV], 
   }
 }
 
+// The 8 bf16 pairs (k, k + 1) of 8 columns widened to fp32 (exact): k's weights (the low
+// words shifted up) and k + 1's (the high words, the low ones masked off).
+__attribute__((always_inline)) inline void widen_pairs(__m256i pairs, __m256& k0, __m256& k1) {
+  k0 = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+  k1 = _mm256_castsi256_ps(
+      _mm256_and_si256(pairs, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
 template <int MR, int NV>
 __attribute__((always_inline)) inline void step_bf16_avx2(__m256 (&acc)[MR][NV], const float* x,
                                                           int64_t ldx,
                                                           const uint16_t* const (&bp)[NV],
                                                           int64_t s) {
-  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int v = 0; v < NV; ++v) {
-    const __m256i pairs =
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bp[v] + s * 2 * kRunCols));
-    const __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
-    const __m256 w1 = _mm256_castsi256_ps(_mm256_and_si256(pairs, high));
+    __m256 w0, w1;
+    widen_pairs(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bp[v] + s * 2 * kRunCols)),
+                w0, w1);
     for (int m = 0; m < MR; ++m) {
       const float* xm = x + m * ldx + 2 * s;
       acc[m][v] = _mm256_fmadd_ps(_mm256_broadcast_ss(xm), w0, acc[m][v]);
@@ -476,8 +483,8 @@ void tile_avx2(const Args<T>& a, int64_t m0, int64_t panel, const char* pf,
       for (int v = 0; v < NV; ++v) acc[m][v] = _mm256_setzero_ps();
     // always_inline: GCC left the 6-row step an out-of-line call (its accumulators in
     // memory), at 40 % of the speed
-    // the pass's first column in the panel, computed once: inside the step GCC reloaded
-    // a.Ks and rebuilt the address every iteration
+    // the pass's weight pointers, computed once: inside the step GCC reloaded a.Ks and
+    // rebuilt the address every iteration
     const float* bf[NV] = {};
     const uint16_t* bh[NV] = {};
     if constexpr (kF32)
@@ -512,16 +519,17 @@ void tile_avx2(const Args<T>& a, int64_t m0, int64_t panel, const char* pf,
 inline void widen_group(const Args<uint16_t>& a, int64_t q, float* wide) {
   const int G = group_panels(a.gated);
   const int64_t steps = 2 * a.Ks;
-  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   const uint16_t* b = a.packed + q * G * a.Ks * kNR * 2;  // the group's panels are adjacent
   for (int64_t r = 0; r < G * kNR / kRunCols; ++r, b += a.Ks * 2 * kRunCols)  // runs
     for (int64_t s = 0; s < a.Ks; ++s)
       for (int v = 0; v < kRunCols / 8; ++v) {
-        const __m256i pairs = _mm256_loadu_si256(
-            reinterpret_cast<const __m256i*>(b + s * 2 * kRunCols + 16 * v));
+        __m256 k0, k1;
+        widen_pairs(_mm256_loadu_si256(
+                        reinterpret_cast<const __m256i*>(b + s * 2 * kRunCols + 16 * v)),
+                    k0, k1);
         float* out = wide + r * steps * kRunCols + 2 * s * kRunCols + 8 * v;
-        _mm256_storeu_ps(out, _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16)));
-        _mm256_storeu_ps(out + kRunCols, _mm256_castsi256_ps(_mm256_and_si256(pairs, high)));
+        _mm256_storeu_ps(out, k0);
+        _mm256_storeu_ps(out + kRunCols, k1);
       }
 }
 
