@@ -101,6 +101,7 @@ class Stack:
     stop: threading.Event
     result: list[int]
     thread: threading.Thread
+    sockets: SchedulerSockets
 
     def send(self, msg: object) -> None:
         self.frontend.send(encode(msg))
@@ -131,7 +132,8 @@ def stack_factory() -> Iterator[Any]:
 
     def start(hold_s: float, step_timeout_s: float = 60.0, async_scheduling: bool = True,
               run_loop: bool = True) -> Stack:
-        """``run_loop=False``: the loop is built but not run; the test drives it."""
+        """``run_loop=False``: the loop is built but its thread is not started; the test
+        drives the loop itself or starts ``stack.thread`` when it has set the scene."""
         run_dir = dirs.enter_context(private_run_dir())
         endpoints = Endpoints.local(run_dir)
         config = load_config({"block_size": BLOCK_SIZE, "step_timeout_s": step_timeout_s,
@@ -152,11 +154,11 @@ def stack_factory() -> Iterator[Any]:
             finally:
                 sockets.close()
 
-        thread = threading.Thread(target=run if run_loop else sockets.close, daemon=True)
+        thread = threading.Thread(target=run, daemon=True)
         if run_loop:
             thread.start()
         frontend = make_socket(ctx, zmq.DEALER, endpoints.scheduler_frontend, identity=b"fe-1")
-        stack = Stack(loop, worker, frontend, stop, result, thread)
+        stack = Stack(loop, worker, frontend, stop, result, thread, sockets)
         started.append(stack)
         return stack
 
@@ -165,8 +167,8 @@ def stack_factory() -> Iterator[Any]:
         stack.stop.set()
         stack.worker.release.set()
         stack.worker.stop.set()
-        if stack.thread.ident is None:  # never run: the test drove the loop itself
-            stack.thread.run()  # closes the loop's sockets here
+        if stack.thread.ident is None:  # never started: the test drove the loop itself
+            stack.sockets.close()
         else:
             stack.thread.join(10)
         stack.frontend.close(linger=0)
@@ -256,9 +258,14 @@ def test_an_abort_between_steps_that_empties_the_scheduler_logs_idle(
 
 def test_async_the_next_step_is_out_before_the_result_and_an_abort_waits(
         stack_factory: Any) -> None:
-    stack = stack_factory(hold_s=5.0)
+    stack = stack_factory(hold_s=5.0, run_loop=False)
     stack.send(add("r1"))
     stack.send(add("r2"))
+    # both taken in before the loop runs: a running loop may schedule r1 alone (seen in CI)
+    deadline = time.monotonic() + 10
+    while stack.loop.engine_stats().waiting < 2 and time.monotonic() < deadline:
+        stack.loop._serve(50)
+    stack.thread.start()
     first = stack.worker.wait_for_steps(1)
     assert first.num_scheduled_tokens == [5, 5]  # both prompts whole
     stack.send(AbortRequest(["r1"]))
