@@ -4,7 +4,9 @@
 memory the kernel marks eligible for huge pages (the ``THPeligible`` flag of its mapping
 in /proc/self/smaps: deterministic, unlike whether a huge page was free at the fault);
 ``allocate_kv_caches`` must give each layer its own contiguous K and V inside one such
-pool, not overlapping.
+pool, not overlapping. ``HugePageArena`` (the packed linear weights) must hand back equal,
+contiguous copies, cache-line aligned and not overlapping, in 2 MiB-aligned chunks the
+kernel marks eligible for huge pages.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.worker.cpu_memory import HUGE_PAGE_BYTES, huge_page_zeros
+from services.worker.cpu_memory import HUGE_PAGE_BYTES, HugePageArena, huge_page_zeros
 
 THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -56,6 +58,42 @@ def test_huge_page_zeros_is_aligned_zeroed_and_contiguous(dtype: torch.dtype) ->
 def test_huge_page_zeros_asks_for_huge_pages() -> None:
     t = huge_page_zeros((3 * HUGE_PAGE_BYTES // 4,), torch.float32)  # 3 whole huge pages
     fields = _mapping_fields(t.data_ptr())
+    if "THPeligible" not in fields:
+        pytest.skip("this kernel's smaps has no THPeligible field")
+    assert fields["THPeligible"] == "1"
+
+
+def test_arena_copies_are_equal_aligned_and_apart() -> None:
+    arena = HugePageArena(chunk_bytes=HUGE_PAGE_BYTES)
+    g = torch.Generator().manual_seed(0)
+    sources = [torch.randn(37, 11, generator=g).to(torch.bfloat16),  # 814 bytes: unaligned end
+               torch.randn(5, 3, generator=g),
+               torch.randn(HUGE_PAGE_BYTES // 4 + 5, generator=g),  # beyond a chunk: its own
+               torch.randn(100, 7, generator=g).t(),  # not contiguous: copied contiguous
+               torch.randint(0, 255, (3,), dtype=torch.uint8, generator=g)]
+    placed = [arena.place(t) for t in sources]
+    spans = []
+    for src, out in zip(sources, placed, strict=True):
+        assert torch.equal(out, src) and out.dtype == src.dtype and out.is_contiguous()
+        assert out.data_ptr() % 64 == 0 and arena.holds(out) and not arena.holds(src)
+        spans.append((out.data_ptr(), out.data_ptr() + out.numel() * out.element_size()))
+    spans.sort()
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in itertools.pairwise(spans))
+    # the first starts a chunk and the second follows it at the next cache line (814
+    # bytes -> 832); the one larger than a chunk starts a chunk of its own
+    assert placed[0].data_ptr() % HUGE_PAGE_BYTES == 0
+    assert placed[1].data_ptr() - placed[0].data_ptr() == 832
+    assert placed[2].data_ptr() % HUGE_PAGE_BYTES == 0
+    placed[1].fill_(0)  # a copy: the source keeps its values
+    assert sources[1].count_nonzero() == sources[1].numel()
+
+
+@pytest.mark.skipif(not _thp_enabled(), reason="transparent huge pages are off here")
+def test_arena_chunks_ask_for_huge_pages() -> None:
+    arena = HugePageArena(chunk_bytes=3 * HUGE_PAGE_BYTES)
+    out = arena.place(torch.ones(1000))
+    assert arena.advised_bytes == 3 * HUGE_PAGE_BYTES
+    fields = _mapping_fields(out.data_ptr())
     if "THPeligible" not in fields:
         pytest.skip("this kernel's smaps has no THPeligible field")
     assert fields["THPeligible"] == "1"

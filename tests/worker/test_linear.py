@@ -4,7 +4,8 @@ Where ``kernels.cpu_gemm`` has the vector path for the dtype, every row count ru
 (AVX-512 tiles, or on an AVX2 machine its 256-bit tiles);
 elsewhere (and with ``kernel="onednn"``) bf16 at up to GEMV_MAX_ROWS rows streams the
 plain weight through ``kernels.cpu_gemv`` and the rest uses oneDNN's packed weight.
-A SwiGLU MLP's gate_up is packed for ``cpu_gemm.linear_silu`` where cpu_gemm runs it."""
+A SwiGLU MLP's gate_up is packed for ``cpu_gemm.linear_silu`` where cpu_gemm runs it.
+``pack_cpu_linears`` moves the cpu_gemm weights into a ``HugePageArena``."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_fused, cpu_gemm, cpu_gemv
+from services.worker.cpu_memory import HugePageArena
 from services.worker.layers.linear import (
     GEMV_MAX_ROWS,
     auto_kernel,
@@ -181,6 +183,25 @@ def test_swiglu_mlp_packs_gate_up_for_linear_silu(dtype: torch.dtype, mlp_bias: 
     torch.testing.assert_close(got.float(), plain.float(), rtol=2e-2, atol=2e-2)
     with pytest.raises(ValueError, match="linear_silu"):  # not a plain linear's weight
         linear(x, mlp.gate_up_weight, None, mlp.gate_up_weight_packed)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cpu_gemm_weights_are_packed_into_the_arena(dtype: torch.dtype) -> None:
+    """The arena's copies are the packs themselves: the MLP gives the same bits as with
+    weights packed outside it."""
+    if auto_kernel(dtype) != "cpu_gemm":
+        pytest.skip(f"{dtype} linears do not run cpu_gemm on this CPU")
+    mlp = _mlp("silu", True, dtype)
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(5)).to(dtype)
+    arena = HugePageArena()
+    assert pack_cpu_linears(mlp, arena=arena) == 2
+    for packed in (mlp.gate_up_weight_packed, mlp.down_weight_packed):
+        assert packed.gemm and arena.holds(packed.data)
+    got = mlp(x)
+    mlp.gate_up_weight_packed = pack_weight(mlp.gate_up_weight, silu_gated=True)
+    mlp.down_weight_packed = pack_weight(mlp.down_weight)
+    assert not arena.holds(mlp.down_weight_packed.data)
+    assert torch.equal(got, mlp(x))
 
 
 def test_geglu_mlp_gate_up_is_packed_plain() -> None:

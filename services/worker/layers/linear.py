@@ -30,6 +30,7 @@ the packed copy when there is one and ``F.linear`` otherwise.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -38,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import cpu_gemm, cpu_gemv
+from services.worker.cpu_memory import HugePageArena
 
 log = logging.getLogger(__name__)
 _PACK_BATCH_HINT = 64  # oneDNN picks its blocking for this many rows; any count works
@@ -153,14 +155,20 @@ def pack_weight(weight: torch.Tensor, kernel: str = "auto",
     return packed
 
 
-def pack_cpu_linears(model: nn.Module, kernel: str = "auto") -> int:
+def pack_cpu_linears(model: nn.Module, kernel: str = "auto",
+                     arena: HugePageArena | None = None) -> int:
     """Pack every weight named in a module's ``PACKED_WEIGHTS`` (those also in its
-    ``silu_gated_weights`` for ``linear_silu`` where the kernel allows); returns how many."""
+    ``silu_gated_weights`` for ``linear_silu`` where the kernel allows); returns how many.
+    The cpu_gemm ones are moved into ``arena`` (a fresh ``HugePageArena`` by default) as
+    they are packed, so a step streams them from huge pages (see ``cpu_memory``)."""
+    arena = HugePageArena() if arena is None else arena
     count = 0
     for module in model.modules():
         gated = getattr(module, "silu_gated_weights", ())
         for name in getattr(module, "PACKED_WEIGHTS", ()):
             packed = pack_weight(getattr(module, name), kernel, name in gated)
+            if packed is not None and packed.gemm:  # oneDNN's packed tensors stay its own
+                packed = dataclasses.replace(packed, data=arena.place(packed.data))
             setattr(module, f"{name}_packed", packed)
             count += packed is not None
     return count
