@@ -15,7 +15,10 @@ runs it. Its value is ``<role>_<action>_after=<N>``: the role's process, on its 
   kills the loop thread);
 - ``frontend_exit_after=N``: a frontend exits with status 3 on its N-th request;
 - ``frontend_raise_after=N``: a frontend's receive loop (the task that reads the
-  scheduler link) raises on its N-th message.
+  scheduler link) raises on its N-th ``EngineOutputs`` message (not counting the answers
+  to its heartbeats, which come on their own clock: counted, they let the fault fire
+  before a request's first token, some runs, and its client got an error response
+  instead of the mid-stream error event the fault is for).
 
 Tests use it where killing a process from outside could not pick the moment.
 """

@@ -101,7 +101,7 @@ class EngineClient:
         self._recv_task: asyncio.Task[None] | None = None
         # set when the receive loop died: the frontend cannot hear the engine any more
         self.failed = asyncio.Event()
-        # tests only (shared/faults.py): exit on the N-th request, raise on the N-th message
+        # tests only (shared/faults.py): exit on the N-th request, raise on the N-th outputs
         self._request_fault = FaultPoint("frontend", fault, actions=("exit",))
         self._message_fault = FaultPoint("frontend", fault, actions=("raise",))
 
@@ -221,8 +221,9 @@ class EngineClient:
                 continue
             self._last_heard = time.monotonic()
             self._heard = True
-            self._message_fault.step()
             msg = safe_decode(frames, SCHEDULER_TO_FRONTEND, self._counter)
+            if isinstance(msg, EngineOutputs):  # heartbeat answers keep their own clock
+                self._message_fault.step()
             if msg is not None:
                 try:
                     await self._dispatch(msg)

@@ -50,6 +50,10 @@ from shared.ipc import report_ready
 
 log = logging.getLogger("pagoda.frontend")
 DRAIN_POLL_S = 0.05  # how often the drain looks at the in-flight count
+# After the engine link failed every request in flight has been failed: this long for
+# their streams to write the error event and [DONE] before the loops are cut
+FAILED_LINK_DRAIN_S = 2.0
+LINK_FAILED_TASK = "engine-link-failed"
 
 
 class FrontendApi(Protocol):
@@ -153,7 +157,7 @@ async def _run(config: PagodaConfig, ready_fd: int | None, signals: _Signals) ->
         engine.start()
         serving = [asyncio.create_task(api.serve(), name="api-serve") for api in apis]
         # the engine link's receive loop dying ends the process like an API loop's end
-        serving.append(asyncio.create_task(engine.failed.wait(), name="engine-link-failed"))
+        serving.append(asyncio.create_task(engine.failed.wait(), name=LINK_FAILED_TASK))
         native = config.endpoints.frontend_native[proc.frontend_index]
         freeze_startup_heap()  # the tokenizer and the web app live as long as the process
         print(f"pagoda frontend {frontend_id} ready: native API at {native}, "
@@ -186,6 +190,8 @@ async def _serve_until_signal(
         log.error("a frontend loop ended unexpectedly: %s",
                   [(t.get_name(), t.exception()) for t in done if not t.cancelled()])
         rc = 1
+        link_failed = any(t.get_name() == LINK_FAILED_TASK for t in done)
+        drain_s = FAILED_LINK_DRAIN_S if link_failed else 0.0
     log.info("frontend stopping: draining %d request(s) for up to %.0fs",
              sum(a.num_inflight for a in apis), drain_s)
     for api in apis:
@@ -193,7 +199,7 @@ async def _serve_until_signal(
     if core_stats is not None:
         core_stats.set_draining()
     deadline = loop.time() + drain_s
-    while rc == 0 and any(a.num_inflight for a in apis) and not force.is_set():
+    while any(a.num_inflight for a in apis) and not force.is_set():
         if loop.time() >= deadline:
             break
         with contextlib.suppress(TimeoutError):
