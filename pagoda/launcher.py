@@ -103,6 +103,11 @@ def start_child(name: str, module: str, args: list[str], env: dict[str, str],
 
 
 FORCE_GRACE_S = 5.0  # after a second signal, before SIGKILL
+# The scheduler and the workers drain nothing (they are stopped after the frontends,
+# which end every stream first): this covers a step in flight (a CPU prefill chunk takes
+# a second or two). A hung worker (the step watchdog's case) is killed after it, not
+# after the frontends' drain time.
+ENGINE_STOP_GRACE_S = 10.0
 STOP_POLL_S = 0.05
 
 
@@ -144,8 +149,9 @@ class Stack:
         return next((c for c in self.children if c.proc.poll() is not None), None)
 
     def stop(self, force: threading.Event | None = None) -> bool:
-        """Frontends first, then the scheduler, then the workers; True if every child
-        exited 0. Once ``force`` is set (a second Ctrl-C / SIGTERM) the group being
+        """Frontends first (their drain time and 10 s more before SIGKILL), then the
+        scheduler, then the workers (``ENGINE_STOP_GRACE_S`` each group); True if every
+        child exited 0. Once ``force`` is set (a second Ctrl-C / SIGTERM) the group being
         stopped gets a second SIGTERM (a frontend then skips its drain and ends its
         streams with ``abort``), and every child has at most ``FORCE_GRACE_S`` more,
         all groups together, before SIGKILL. The order holds when forced too: the
@@ -153,12 +159,12 @@ class Stack:
         with its own ``shutting_down`` error instead."""
         force = force or threading.Event()
         # a frontend drains for shutdown_timeout_s, then aborts and flushes: wait longer
-        grace = self.config.process.shutdown_timeout_s + 10.0
+        frontend_grace = self.config.process.shutdown_timeout_s + 10.0
         forced_until: float | None = None  # the deadline of every child once forced
-        for group in (
-            [c for c in self.children if c.name.startswith("frontend")],
-            [c for c in self.children if c.name == "scheduler"],
-            [c for c in self.children if c.name.startswith("worker")],
+        for group, grace in (
+            ([c for c in self.children if c.name.startswith("frontend")], frontend_grace),
+            ([c for c in self.children if c.name == "scheduler"], ENGINE_STOP_GRACE_S),
+            ([c for c in self.children if c.name.startswith("worker")], ENGINE_STOP_GRACE_S),
         ):
             for c in group:
                 if c.proc.poll() is None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +25,16 @@ TOLERANCES = {
     torch.float16: (3e-3, 3e-3),
     torch.bfloat16: (2.5e-2, 2.5e-2),
 }
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (``/proc/cpuinfo``); empty where it cannot be read."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = re.search(r"^flags\s*:(.*)$", text, re.MULTILINE)
+    return set(line.group(1).split()) if line else set()
 
 
 def device() -> torch.device:
