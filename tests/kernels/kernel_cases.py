@@ -28,11 +28,11 @@ TOLERANCES = {
 
 
 def cpu_flags() -> set[str]:
-    """The CPU's feature flags (``/proc/cpuinfo``); empty where it cannot be read."""
+    """The CPU's feature flags (``/proc/cpuinfo``); skips the test where it cannot be read."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return set()
+        pytest.skip("no /proc/cpuinfo")
     line = re.search(r"^flags\s*:(.*)$", text, re.MULTILINE)
     return set(line.group(1).split()) if line else set()
 

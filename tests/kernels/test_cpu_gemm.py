@@ -36,7 +36,6 @@ gate_up weight, then ``cpu_fused.silu_mul``.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +43,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kernel_cases import cpu_flags
 from kernels import cpu_fused, cpu_gemm
 from kernels.cpu_extension import LazyExtension
 from tests.support.linear_oracle import assert_linear_matches
@@ -96,15 +96,6 @@ def _avx2() -> Build:
     return _variant("avx2", AVX2_NAMESPACE, "PAGODA_NO_AVX512")
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        pytest.skip("no /proc/cpuinfo")
-    line = re.search(r"^flags\s*:(.*)$", text, re.MULTILINE)
-    return set(line.group(1).split()) if line else set()
-
-
 @pytest.fixture(
     scope="module",
     params=["native", pytest.param("avx2", marks=pytest.mark.slow),
@@ -114,7 +105,7 @@ def build(request: pytest.FixtureRequest) -> Build:
     if request.param != "native" and set(cpu_gemm.tile_paths().values()) == {request.param}:
         pytest.skip(f"the native build runs the {request.param} tiles (its cases ran them)")
     if request.param == "avx2":
-        if not {"avx2", "fma"} <= _cpu_flags():
+        if not {"avx2", "fma"} <= cpu_flags():
             pytest.skip("the CPU has no AVX2 + FMA")
         return _avx2()
     return NATIVE if request.param == "native" else _portable()
@@ -284,7 +275,7 @@ def test_pack_layout(gemm: Build, dtype: torch.dtype, n: int, k: int) -> None:
 
 
 def test_tile_paths_follow_the_cpu() -> None:
-    have = _cpu_flags()
+    have = cpu_flags()
     avx512 = {"avx512f", "avx512bw", "avx512vl"} <= have
     avx2 = "avx2" if {"avx2", "fma"} <= have else "portable"
     want = {torch.float32: "avx512" if avx512 else avx2,
@@ -302,9 +293,9 @@ def test_portable_build_is_portable() -> None:
 
 @pytest.mark.slow
 def test_avx2_build_runs_the_avx2_tiles() -> None:
-    if not {"avx2", "fma"} <= _cpu_flags():
+    if not {"avx2", "fma"} <= cpu_flags():
         pytest.skip("the CPU has no AVX2 + FMA")
-    if "avx512f" not in _cpu_flags():  # the define changes nothing: the native build
+    if "avx512f" not in cpu_flags():  # the define changes nothing: the native build
         assert set(cpu_gemm.tile_paths().values()) == {"avx2"}
         return
     _avx2()
