@@ -1,10 +1,11 @@
 """A CPU step through every decoder layer in one C++ call, for the worker's CPU path.
 
-``decode_layers`` runs, per layer, the ops the model's Python loop runs on the CPU (the
-``cpu_fused`` norms, rotary and KV-cache write, the ``cpu_gemm`` linears, the
-``cpu_decode`` and ``cpu_prefill`` attention; ``csrc/cpu_decoder.cpp``) in the same order
-on the same tensors, so its result is bit-identical; it only leaves out the Python
-between them. It covers the plain layer (pre-norms, optional per-head q/k norms, full
+``decode_layers`` runs, per layer, the kernels the model's Python loop runs on the CPU
+(the ``cpu_fused`` norms, rotary and KV-cache write, called as their row kernels in
+``csrc/cpu_rows.h``; the ``cpu_gemm`` linears, the ``cpu_decode`` and ``cpu_prefill``
+attention, called as ops; ``csrc/cpu_decoder.cpp``) in the same order, so its result is
+bit-identical; it leaves out the Python between them, and the norms' and rotary's op
+dispatch and allocations. It covers the plain layer (pre-norms, optional per-head q/k norms, full
 rotary, SwiGLU, no window or soft cap); the caller
 (``services/worker/models/cpu_decoder_path.py``) decides which models and steps take it.
 Compiled on first use; ``available()`` reports whether it and the four extensions it
@@ -18,19 +19,29 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import cpu_decode, cpu_fused, cpu_gemm, cpu_prefill
-from kernels.cpu_extension import CSRC, LazyExtension, build_extension
+from kernels import cpu_decode, cpu_gemm, cpu_prefill
+from kernels.cpu_extension import CSRC, SCALAR_HEADER, LazyExtension, build_extension
 
 _SOURCE = CSRC / "cpu_decoder.cpp"
 OP_NAMESPACE = "pagoda_cpu_decoder"  # the source's default PAGODA_OP_NS
 
-_extension = LazyExtension("cpu_decoder", lambda: build_extension(OP_NAMESPACE, _SOURCE, []))
+_HEADERS = [CSRC / "cpu_rows.h", SCALAR_HEADER]
+
+
+def build_library(namespace: str = OP_NAMESPACE) -> None:
+    """Compile (or load from the cache) the op as ``torch.ops.<namespace>``; no FMA
+    contraction, as ``cpu_fused`` (the row kernels must round as its ops do)."""
+    build_extension(namespace, _SOURCE, _HEADERS, extra_cflags=("-ffp-contract=off",))
+
+
+# a lambda: the source paths are read at build time
+_extension = LazyExtension("cpu_decoder", lambda: build_library())
 
 
 def available() -> bool:
     """Build (once per process) this and the extensions it calls; never raises."""
-    return (cpu_fused.available() and cpu_gemm.available() and cpu_decode.available()
-            and cpu_prefill.available() and _extension.available())
+    return (cpu_gemm.available() and cpu_decode.available() and cpu_prefill.available()
+            and _extension.available())
 
 
 @dataclass(frozen=True)
@@ -100,6 +111,6 @@ def decode_layers(
         list(v_caches),
         cos_cache, sin_cache, slot_mapping, block_tables, seq_lens,
         seq_lens.shape[0] if num_decodes is None else num_decodes, prefill_first,
-        prefill_starts, dims.as_list(), eps, scale, cpu_fused.OP_NAMESPACE,
-        cpu_gemm.OP_NAMESPACE, cpu_decode.OP_NAMESPACE, cpu_prefill.OP_NAMESPACE)
+        prefill_starts, dims.as_list(), eps, scale, cpu_gemm.OP_NAMESPACE,
+        cpu_decode.OP_NAMESPACE, cpu_prefill.OP_NAMESPACE)
     return out

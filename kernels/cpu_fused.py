@@ -29,7 +29,7 @@ DTYPES = (torch.float32, torch.bfloat16)
 
 def build_library(namespace: str = OP_NAMESPACE) -> None:
     """Compile (or load from the cache) the kernels as ``torch.ops.<namespace>``."""
-    build_extension(namespace, _SOURCE, [SCALAR_HEADER, CSRC / "cpu_silu.h"],
+    build_extension(namespace, _SOURCE, [CSRC / "cpu_rows.h", SCALAR_HEADER, CSRC / "cpu_silu.h"],
                     extra_cflags=("-ffp-contract=off",))
 
 

@@ -1,21 +1,32 @@
 // A step through every decoder layer of a plain Llama-family model in one call, for the
-// worker's CPU path: the same ops, in the same order and on the same tensors, as
-// the model's Python loop (services/worker/models/llama.py with the CPU attention
-// backend), called through the dispatcher instead of from Python, so a step pays no
+// worker's CPU path: the same kernels, in the same order, as the model's Python loop
+// (services/worker/models/llama.py with the CPU attention backend), so a step pays no
 // Python per layer (at batch 1 about a fifth of a SmolLM2 step).
 //
-// Built at runtime by kernels/cpu_decoder.py and registered as
-// torch.ops.<PAGODA_OP_NS>.decode_layers. The ops it calls belong to the cpu_fused,
-// cpu_gemm, cpu_decode and cpu_prefill extensions, whose namespaces the caller names (and
-// has loaded);
-// they check their own inputs, so a bad argument raises as it would from Python.
+// The linears (cpu_gemm) and the attention (cpu_decode, cpu_prefill) are called through
+// the dispatcher, by the namespaces the caller names (and has loaded); they check their
+// own inputs. The norms, the rotary and the KV-cache writes are the row kernels the
+// cpu_fused ops wrap (cpu_rows.h), called here directly on buffers allocated once a
+// step, their inputs checked once a step: per layer, the dispatch, allocation and views
+// of those five op calls cost ~15 us, ~0.5 ms of a ~10 ms batch-1 step. A bad argument
+// raises ValueError, as from Python.
+//
+// Built at runtime by kernels/cpu_decoder.py (with -ffp-contract=off, as cpu_fused, so
+// the row kernels round alike) and registered as torch.ops.<PAGODA_OP_NS>.decode_layers.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
 #include <optional>
 #include <string>
 #include <tuple>
+#include <vector>
+
+#include "cpu_rows.h"
 
 #ifndef PAGODA_OP_NS
 #define PAGODA_OP_NS pagoda_cpu_decoder
@@ -40,13 +51,6 @@ struct Typed<c10::TypedOperatorHandle<Sig>> {
 
 // The per-layer ops, as their extensions register them.
 struct Ops {
-  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, double)> rms_norm;
-  c10::TypedOperatorHandle<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
-                                                      double)> add_rms_norm;
-  c10::TypedOperatorHandle<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
-                                                      const Tensor&, const Tensor&)> rotary;
-  c10::TypedOperatorHandle<void(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                const Tensor&)> write_kv_cache;
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, int64_t,
                                   const std::optional<Tensor>&)> linear;
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, int64_t,
@@ -59,13 +63,8 @@ struct Ops {
                                 double)>
       prefill;
 
-  Ops(const std::string& fused, const std::string& gemm, const std::string& attn,
-      const std::string& prefill_ns)
-      : rms_norm(Typed<decltype(rms_norm)>::find(fused, "rms_norm")),
-        add_rms_norm(Typed<decltype(add_rms_norm)>::find(fused, "add_rms_norm")),
-        rotary(Typed<decltype(rotary)>::find(fused, "rotary")),
-        write_kv_cache(Typed<decltype(write_kv_cache)>::find(fused, "write_kv_cache")),
-        linear(Typed<decltype(linear)>::find(gemm, "linear")),
+  Ops(const std::string& gemm, const std::string& attn, const std::string& prefill_ns)
+      : linear(Typed<decltype(linear)>::find(gemm, "linear")),
         linear_silu(Typed<decltype(linear_silu)>::find(gemm, "linear_silu")),
         decode(Typed<decltype(decode)>::find(attn, "decode")),
         prefill(Typed<decltype(prefill)>::find(prefill_ns, "prefill")) {}
@@ -85,8 +84,147 @@ struct Split {
   const std::optional<Tensor>& prefill_starts;
 };
 
+// The per-step tensors the row kernels (cpu_rows.h) read, checked once a step as the
+// cpu_fused ops check them once a call, and made contiguous where they were not.
+struct RowInputs {
+  std::vector<Tensor> input_norm, post_norm;
+  std::vector<std::optional<Tensor>> q_norm, k_norm;
+  Tensor positions, cos, sin, slots;
+};
+
+void check_cpu(const Tensor& t, const char* what) {
+  TORCH_CHECK_VALUE(t.device().is_cpu(), what, " must be a CPU tensor, got ", t.device());
+}
+
+Tensor dense(const Tensor& t) { return t.is_contiguous() ? t : t.contiguous(); }
+
+// A norm weight of layer l: [n] of the activations' dtype.
+Tensor norm_weight(const Tensor& w, int64_t n, at::ScalarType dtype, const char* what,
+                   int64_t l) {
+  check_cpu(w, what);
+  TORCH_CHECK_VALUE(w.dim() == 1 && w.size(0) == n, "layer ", l, ": ", what, " must be [", n,
+                    "], got ", w.sizes());
+  TORCH_CHECK_VALUE(w.scalar_type() == dtype, "layer ", l, ": ", what, " dtype ",
+                    w.scalar_type(), " != hidden dtype ", dtype);
+  return dense(w);
+}
+
+template <typename P>
+void check_positions(const P* pos, int64_t n, int64_t max_position) {
+  for (int64_t t = 0; t < n; ++t)
+    TORCH_CHECK_VALUE(pos[t] >= 0 && pos[t] < max_position, "positions[", t, "] = ", pos[t],
+                      " outside the rotary cache [0, ", max_position, ")");
+}
+
+RowInputs check_rows(const Tensor& hidden, const Tensor& positions, at::TensorList input_norm,
+                     at::TensorList post_norm, const OptTensors& q_norm,
+                     const OptTensors& k_norm, at::TensorList k_caches, at::TensorList v_caches,
+                     const Tensor& cos, const Tensor& sin, const Tensor& slot_mapping,
+                     const Dims& d) {
+  const int64_t T = hidden.size(0), H = hidden.size(1), L = static_cast<int64_t>(input_norm.size());
+  const auto dtype = hidden.scalar_type();
+  check_cpu(hidden, "hidden");
+  TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kBFloat16,
+                    "hidden must be float32 or bfloat16, got ", dtype);
+  RowInputs in;
+  for (int64_t l = 0; l < L; ++l) {
+    in.input_norm.push_back(norm_weight(input_norm[l], H, dtype, "input_norm", l));
+    in.post_norm.push_back(norm_weight(post_norm[l], H, dtype, "post_norm", l));
+    const std::optional<Tensor> qn = q_norm.get(l), kn = k_norm.get(l);
+    TORCH_CHECK_VALUE(qn.has_value() == kn.has_value(), "layer ", l,
+                      ": a q norm without a k norm, or the reverse");
+    in.q_norm.push_back(qn ? std::optional(norm_weight(*qn, d.head_dim, dtype, "q_norm", l))
+                           : std::nullopt);
+    in.k_norm.push_back(kn ? std::optional(norm_weight(*kn, d.head_dim, dtype, "k_norm", l))
+                           : std::nullopt);
+  }
+  // the rotary's inputs (cpu_fused's check_rotary)
+  for (const auto* t : {&positions, &cos, &sin, &slot_mapping}) check_cpu(*t, "every tensor");
+  TORCH_CHECK_VALUE(d.head_dim % 2 == 0, "head_dim must be even, got ", d.head_dim);
+  TORCH_CHECK_VALUE(positions.dim() == 1 && positions.size(0) == T, "positions must be [", T,
+                    "], got ", positions.sizes());
+  TORCH_CHECK_VALUE(positions.scalar_type() == at::kLong || positions.scalar_type() == at::kInt,
+                    "positions must be int64 or int32, got ", positions.scalar_type());
+  TORCH_CHECK_VALUE(cos.dim() == 2 && cos.size(1) == d.head_dim / 2 && sin.sizes() == cos.sizes(),
+                    "cos_cache and sin_cache must be [max_position, ", d.head_dim / 2,
+                    "], got ", cos.sizes(), " and ", sin.sizes());
+  TORCH_CHECK_VALUE(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
+                    "cos_cache and sin_cache must be float32");
+  in.positions = dense(positions);
+  in.cos = dense(cos);
+  in.sin = dense(sin);
+  if (in.positions.scalar_type() == at::kLong)
+    check_positions(in.positions.const_data_ptr<int64_t>(), T, cos.size(0));
+  else
+    check_positions(in.positions.const_data_ptr<int32_t>(), T, cos.size(0));
+  // the caches and the slots (cpu_fused's write_kv_cache), every layer's before any write
+  TORCH_CHECK_VALUE(slot_mapping.dim() == 1 && slot_mapping.size(0) == T &&
+                        slot_mapping.scalar_type() == at::kLong,
+                    "slot_mapping must be [", T, "] int64, got ", slot_mapping.sizes(), " ",
+                    slot_mapping.scalar_type());
+  int64_t num_slots = std::numeric_limits<int64_t>::max();
+  for (int64_t l = 0; l < L; ++l) {
+    const Tensor &k = k_caches[l], &v = v_caches[l];
+    check_cpu(k, "k_cache");
+    check_cpu(v, "v_cache");
+    TORCH_CHECK_VALUE(k.dim() == 4 && v.sizes() == k.sizes() && k.size(2) == d.num_kv_heads &&
+                          k.size(3) == d.head_dim,
+                      "layer ", l, ": k_cache and v_cache must be [num_blocks, block_size, ",
+                      d.num_kv_heads, ", ", d.head_dim, "], got ", k.sizes(), " and ",
+                      v.sizes());
+    TORCH_CHECK_VALUE(k.scalar_type() == dtype && v.scalar_type() == dtype, "layer ", l,
+                      ": k_cache and v_cache must be ", dtype, ", got ", k.scalar_type(),
+                      " and ", v.scalar_type());
+    // a copy of a cache would take the writes and be dropped
+    TORCH_CHECK_VALUE(k.is_contiguous() && v.is_contiguous(),
+                      "k_cache and v_cache must be contiguous");
+    num_slots = std::min(num_slots, k.size(0) * k.size(1));
+  }
+  in.slots = dense(slot_mapping);
+  const int64_t* sp = in.slots.const_data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK_VALUE(sp[t] >= -1 && sp[t] < num_slots, "slot_mapping[", t, "] = ", sp[t],
+                      " outside [-1, ", num_slots, ")");
+  return in;
+}
+
+// The attention ops' views of the step's buffers, taken once a step: the decodes' rows
+// and the prefill chunks' (none of a kind: undefined).
+struct AttentionViews {
+  Tensor dec_out, dec_q, dec_tables, dec_lens;
+  Tensor pre_out, pre_q, pre_lens, pre_tables;
+};
+
+AttentionViews attention_views(const Tensor& attn, const Tensor& q_rot, const Tensor& tables,
+                               const Tensor& lens, const Split& split) {
+  const int64_t T = attn.size(0), S = lens.size(0), nd = split.num_decodes;
+  AttentionViews v;
+  if (nd > 0) {  // slices as the backend's: the rows of the decodes (all of them: no slice)
+    const bool all_tokens = nd == T, all_seqs = nd == S;
+    v.dec_out = all_tokens ? attn : attn.narrow(0, 0, nd);
+    v.dec_q = all_tokens ? q_rot : q_rot.narrow(0, 0, nd);
+    v.dec_tables = all_seqs ? tables : tables.narrow(0, 0, nd);
+    v.dec_lens = all_seqs ? lens : lens.narrow(0, 0, nd);
+  }
+  if (nd < S) {
+    const int64_t first = split.prefill_first;
+    v.pre_out = attn.narrow(0, first, T - first);
+    v.pre_q = q_rot.narrow(0, first, T - first);
+    v.pre_lens = lens.narrow(0, nd, S - nd);
+    v.pre_tables = tables.narrow(0, nd, S - nd);
+  }
+  return v;
+}
+
+template <typename T>
+T* mut(const Tensor& t) { return static_cast<T*>(t.mutable_data_ptr()); }
+template <typename T>
+const T* cptr(const Tensor& t) { return static_cast<const T*>(t.const_data_ptr()); }
+
 // hidden [T, H] (the embedded tokens) -> (the last layer's MLP output, the residual
-// stream before it): what the Python loop hands the final norm.
+// stream before it): what the Python loop hands the final norm. The norms, rotary and
+// cache writes run the row kernels on buffers allocated here once a step (the residual
+// stream updated in place); the linears and the attention are the registered ops.
 std::tuple<Tensor, Tensor> decode_layers(
     const Tensor& hidden_in, const Tensor& positions, at::TensorList input_norm,
     at::TensorList post_norm, at::TensorList qkv, const OptTensors& qkv_bias,
@@ -96,8 +234,8 @@ std::tuple<Tensor, Tensor> decode_layers(
     at::TensorList v_caches, const Tensor& cos_cache, const Tensor& sin_cache,
     const Tensor& slot_mapping, const Tensor& block_tables, const Tensor& seq_lens,
     int64_t num_decodes, int64_t prefill_first, const std::optional<Tensor>& prefill_starts,
-    at::IntArrayRef dims_in, double eps, double scale, const std::string& fused_ns,
-    const std::string& gemm_ns, const std::string& decode_ns, const std::string& prefill_ns) {
+    at::IntArrayRef dims_in, double eps_in, double scale, const std::string& gemm_ns,
+    const std::string& decode_ns, const std::string& prefill_ns) {
   const int64_t L = static_cast<int64_t>(qkv.size());
   for (const size_t n : {input_norm.size(), post_norm.size(), qkv_bias.size(), q_norm.size(),
                          k_norm.size(), o.size(),
@@ -112,7 +250,9 @@ std::tuple<Tensor, Tensor> decode_layers(
   const int64_t q_size = d.num_heads * d.head_dim, kv_size = d.num_kv_heads * d.head_dim;
   TORCH_CHECK_VALUE(d.qkv_n == q_size + 2 * kv_size, "qkv width ", d.qkv_n, " != ", q_size,
                     " + 2 * ", kv_size);
-  const int64_t T = hidden_in.size(0), S = seq_lens.size(0);
+  const int64_t T = hidden_in.size(0), H = hidden_in.size(1), S = seq_lens.size(0);
+  TORCH_CHECK_VALUE(d.down_n == H && d.o_n == H, "o and down must map back to the hidden size ",
+                    H, ", got ", d.o_n, " and ", d.down_n);
   const Split split{num_decodes, prefill_first, prefill_starts};
   TORCH_CHECK_VALUE(split.num_decodes >= 0 && split.num_decodes <= S, "num_decodes ",
                     split.num_decodes, " outside [0, ", S, "]");
@@ -121,51 +261,87 @@ std::tuple<Tensor, Tensor> decode_layers(
                                   split.prefill_first <= T),
                     "a step with prefills needs prefill_starts and a prefill_first in [0, ", T,
                     "]");
-  const Ops ops(fused_ns, gemm_ns, decode_ns, prefill_ns);
+  const Tensor hidden0 = dense(hidden_in);
+  const RowInputs in = check_rows(hidden0, positions, input_norm, post_norm, q_norm, k_norm,
+                                  k_caches, v_caches, cos_cache, sin_cache, slot_mapping, d);
+  const Ops ops(gemm_ns, decode_ns, prefill_ns);
+  const float eps = static_cast<float>(eps_in);
+  const bool qk_norms = in.q_norm[0].has_value();
 
-  Tensor hidden = hidden_in, residual, normed;
-  for (int64_t l = 0; l < L; ++l) {
-    if (l == 0) {  // the first layer's residual stream is its input
-      normed = ops.rms_norm.call(hidden, input_norm[l], eps);
-      residual = hidden;
-    } else {
-      std::tie(normed, residual) = ops.add_rms_norm.call(hidden, residual, input_norm[l], eps);
-    }
-    const Tensor qkv_out = ops.linear.call(normed, qkv[l], d.qkv_n, qkv_bias.get(l));
-    // the projection's q / k / v, as the Python layer's split and reshapes
-    Tensor q = qkv_out.narrow(1, 0, q_size), k = qkv_out.narrow(1, q_size, kv_size);
-    const std::optional<Tensor> qn = q_norm.get(l), kn = k_norm.get(l);
-    TORCH_CHECK_VALUE(qn.has_value() == kn.has_value(), "layer ", l,
-                      ": a q norm without a k norm, or the reverse");
-    if (qn.has_value()) {  // Qwen3: per-head RMSNorm of q and k before the rotation
-      q = ops.rms_norm.call(q.reshape({T * d.num_heads, d.head_dim}), *qn, eps);
-      k = ops.rms_norm.call(k.reshape({T * d.num_kv_heads, d.head_dim}), *kn, eps);
-    }
-    q = q.reshape({T, d.num_heads, d.head_dim});
-    k = k.reshape({T, d.num_kv_heads, d.head_dim});
-    const Tensor v =
-        qkv_out.narrow(1, q_size + kv_size, kv_size).view({T, d.num_kv_heads, d.head_dim});
-    const auto [q_rot, k_rot] = ops.rotary.call(q, k, positions, cos_cache, sin_cache);
-    ops.write_kv_cache.call(k_rot, v, k_caches[l], v_caches[l], slot_mapping);
-    const Tensor attn = at::empty_like(q_rot);
-    if (split.num_decodes > 0) {  // slices as the backend's: the rows of the decodes
-      const int64_t nd = split.num_decodes;
-      ops.decode.call(attn.narrow(0, 0, nd), q_rot.narrow(0, 0, nd), k_caches[l], v_caches[l],
-                      block_tables.narrow(0, 0, nd), seq_lens.narrow(0, 0, nd), scale, 0, 0,
-                      0.0);
-    }
-    if (prefills) {
-      const int64_t first = split.prefill_first, nd = split.num_decodes;
-      ops.prefill.call(attn.narrow(0, first, T - first), q_rot.narrow(0, first, T - first),
-                       k_caches[l], v_caches[l], *split.prefill_starts,
-                       seq_lens.narrow(0, nd, S - nd), block_tables.narrow(0, nd, S - nd),
-                       scale, 0, 0.0);
-    }
-    const Tensor o_out = ops.linear.call(attn.view({T, q_size}), o[l], d.o_n, o_bias.get(l));
-    std::tie(normed, residual) = ops.add_rms_norm.call(o_out, residual, post_norm[l], eps);
-    const Tensor act = ops.linear_silu.call(normed, gate_up[l], d.act_n, gate_up_bias.get(l));
-    hidden = ops.linear.call(act, down[l], d.down_n, down_bias.get(l));
+  const auto opts = hidden0.options();
+  const Tensor normed = at::empty({T, H}, opts), residual = at::empty({T, H}, opts);
+  const Tensor q_rot = at::empty({T, d.num_heads, d.head_dim}, opts);
+  const Tensor k_rot = at::empty({T, d.num_kv_heads, d.head_dim}, opts);
+  const Tensor attn = at::empty({T, d.num_heads, d.head_dim}, opts);
+  const Tensor attn_rows = attn.view({T, q_size});
+  Tensor q_normed, k_normed;  // the per-head q / k norms' outputs (Qwen3)
+  if (qk_norms) {
+    q_normed = at::empty({T, d.num_heads, d.head_dim}, opts);
+    k_normed = at::empty({T, d.num_kv_heads, d.head_dim}, opts);
   }
+  const AttentionViews views = attention_views(attn, q_rot, block_tables, seq_lens, split);
+
+  auto run = [&](auto element, auto position) {
+    using E = decltype(element);  // float, or uint16_t for bf16 bits
+    using P = decltype(position);
+    using pagoda_cpu_rows::RowLayout;
+    E* res = mut<E>(residual);
+    // the residual stream: layer 0's is its input (the caller's, not written); each sum
+    // goes to `residual`, updated in place from then on
+    const E* stream = cptr<E>(hidden0);
+    Tensor hidden = hidden0;
+    const int64_t kv_row_bytes = kv_size * static_cast<int64_t>(sizeof(E));
+    for (int64_t l = 0; l < L; ++l) {
+      pagoda_cpu_rows::rms_norm_rows<E>(mut<E>(normed), res, cptr<E>(hidden), RowLayout{1, H},
+                                     l == 0 ? nullptr : stream, cptr<E>(in.input_norm[l]), T, H,
+                                     eps);
+      const Tensor qkv_out = ops.linear.call(normed, qkv[l], d.qkv_n, qkv_bias.get(l));
+      const E* q = cptr<E>(qkv_out);
+      const E* k = q + q_size;
+      const E* v = k + kv_size;
+      int64_t qs = d.qkv_n, ks = d.qkv_n;
+      if (qk_norms) {  // Qwen3: per-head RMSNorm of q and k before the rotation
+        pagoda_cpu_rows::rms_norm_rows<E>(mut<E>(q_normed), nullptr, q,
+                                       RowLayout{d.num_heads, d.qkv_n}, nullptr,
+                                       cptr<E>(*in.q_norm[l]), T * d.num_heads, d.head_dim, eps);
+        pagoda_cpu_rows::rms_norm_rows<E>(mut<E>(k_normed), nullptr, k,
+                                       RowLayout{d.num_kv_heads, d.qkv_n}, nullptr,
+                                       cptr<E>(*in.k_norm[l]), T * d.num_kv_heads, d.head_dim,
+                                       eps);
+        q = cptr<E>(q_normed);
+        k = cptr<E>(k_normed);
+        qs = q_size;
+        ks = kv_size;
+      }
+      pagoda_cpu_rows::rotary_rows(mut<E>(q_rot), mut<E>(k_rot), q, qs, k, ks, T, d.num_heads,
+                                   d.num_kv_heads, d.head_dim, cptr<P>(in.positions),
+                                   cptr<float>(in.cos), cptr<float>(in.sin));
+      pagoda_cpu_rows::write_kv_rows(
+          static_cast<char*>(k_caches[l].mutable_data_ptr()),
+          static_cast<char*>(v_caches[l].mutable_data_ptr()),
+          reinterpret_cast<const char*>(cptr<E>(k_rot)), kv_row_bytes,
+          reinterpret_cast<const char*>(v), d.qkv_n * static_cast<int64_t>(sizeof(E)),
+          cptr<int64_t>(in.slots), T, kv_row_bytes);
+      if (views.dec_out.defined())
+        ops.decode.call(views.dec_out, views.dec_q, k_caches[l], v_caches[l], views.dec_tables,
+                        views.dec_lens, scale, 0, 0, 0.0);
+      if (views.pre_out.defined())
+        ops.prefill.call(views.pre_out, views.pre_q, k_caches[l], v_caches[l], *prefill_starts,
+                         views.pre_lens, views.pre_tables, scale, 0, 0.0);
+      const Tensor o_out = ops.linear.call(attn_rows, o[l], d.o_n, o_bias.get(l));
+      pagoda_cpu_rows::rms_norm_rows<E>(mut<E>(normed), res, cptr<E>(o_out), RowLayout{1, H},
+                                     stream, cptr<E>(in.post_norm[l]), T, H, eps);
+      stream = res;
+      const Tensor act = ops.linear_silu.call(normed, gate_up[l], d.act_n, gate_up_bias.get(l));
+      hidden = ops.linear.call(act, down[l], d.down_n, down_bias.get(l));
+    }
+    return hidden;
+  };
+  const bool bf16 = hidden0.scalar_type() == at::kBFloat16;
+  const bool pos64 = in.positions.scalar_type() == at::kLong;
+  Tensor hidden;
+  if (bf16) hidden = pos64 ? run(uint16_t{}, int64_t{}) : run(uint16_t{}, int32_t{});
+  else hidden = pos64 ? run(float{}, int64_t{}) : run(float{}, int32_t{});
   return {hidden, residual};
 }
 
@@ -181,6 +357,6 @@ PAGODA_LIBRARY(PAGODA_OP_NS, m) {
         "Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor cos_cache, Tensor sin_cache, "
         "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, int num_decodes, "
         "int prefill_first, Tensor? prefill_starts, int[] dims, float eps, float scale, "
-        "str fused_ns, str gemm_ns, str decode_ns, str prefill_ns) -> (Tensor, Tensor)",
+        "str gemm_ns, str decode_ns, str prefill_ns) -> (Tensor, Tensor)",
         &decode_layers);
 }

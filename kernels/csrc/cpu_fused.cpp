@@ -23,6 +23,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_rows.h"
 #include "cpu_scalar.h"
 #include "cpu_silu.h"
 
@@ -35,14 +36,7 @@ namespace {
 using namespace pagoda_cpu_scalar;
 using pagoda_cpu_silu::silu_bf16_table;
 using pagoda_cpu_silu::silu_rounded;
-
-// Elements per parallel chunk: below this the pool's wake-up costs more than the work
-// (a [1, 576] norm takes well under a microsecond).
-constexpr int64_t kGrainElems = 32768;
-
-inline int64_t grain_rows(int64_t row_elems) {
-  return std::max<int64_t>(1, kGrainElems / std::max<int64_t>(1, row_elems));
-}
+using pagoda_cpu_rows::grain_rows;
 
 
 template <typename Fn>
@@ -63,45 +57,14 @@ void check_cpu(const at::Tensor& t, const char* what) {
 
 // ---------------------------------------------------------------- RMSNorm
 
-// One row of norm.py: xf = float(h); y = xf * rsqrt(mean(xf^2) + eps); out = w * T(y),
-// with h = T(x + residual) already stored in `h`. The sum runs in fp32 in another order
-// than torch's reduction (a few fp32 ulps on the mean).
-template <typename T>
-inline void norm_row(T* out, const T* h, const T* w, int64_t n, float eps) {
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = to_f32(h[i]);
-    sum += v * v;
-  }
-  // torch: sum / n (CPU mean), + eps, then rsqrt as 1 / sqrt
-  const float inv = 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) store(to_f32(w[i]) * rounded<T>(to_f32(h[i]) * inv), out + i);
-}
-
 template <typename T>
 void rms_norm_typed(const at::Tensor& out, const at::Tensor& res_out, const at::Tensor& x,
                     const at::Tensor* residual, const at::Tensor& weight, float eps) {
   const int64_t n = x.size(-1), rows = n ? x.numel() / n : 0;
-  const T* xp = ptr<T>(x);
-  const T* rp = residual ? ptr<T>(*residual) : nullptr;
-  const T* wp = ptr<T>(weight);
-  T* op = mut_ptr<T>(out);
-  T* hp = residual ? mut_ptr<T>(res_out) : nullptr;
-  at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const T* h = xp + r * n;
-      if (rp) {  // the new residual, rounded to T as torch's x + residual
-        T* hr = hp + r * n;
-        const T* rr = rp + r * n;
-#pragma omp simd
-        for (int64_t i = 0; i < n; ++i) store(to_f32(h[i]) + to_f32(rr[i]), hr + i);
-        h = hr;
-      }
-      norm_row(op + r * n, h, wp, n, eps);
-    }
-  });
+  pagoda_cpu_rows::rms_norm_rows(mut_ptr<T>(out), residual ? mut_ptr<T>(res_out) : nullptr,
+                                 ptr<T>(x), pagoda_cpu_rows::RowLayout{1, n},
+                                 residual ? ptr<T>(*residual) : nullptr, ptr<T>(weight), rows, n,
+                                 eps);
 }
 
 at::Tensor check_norm(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight) {
@@ -146,25 +109,6 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x_in, const at
 
 // ---------------------------------------------------------------- rotary
 
-// The heads of one token: in [heads, D] (row-contiguous), out [heads, D] contiguous.
-// rotary.py::_rotate: (x1 * cos - x2 * sin, x2 * cos + x1 * sin), each product rounded
-// to fp32 before the sum (no FMA: built with -ffp-contract=off), then cast to T.
-template <typename T>
-inline void rotate_token(T* out, const T* in, int64_t heads, int64_t dim, const float* cs,
-                         const float* sn) {
-  const int64_t half = dim / 2;
-  for (int64_t h = 0; h < heads; ++h) {
-    const T* x = in + h * dim;
-    T* y = out + h * dim;
-#pragma omp simd
-    for (int64_t i = 0; i < half; ++i) {
-      const float x1 = to_f32(x[i]), x2 = to_f32(x[i + half]);
-      store(x1 * cs[i] - x2 * sn[i], y + i);
-      store(x2 * cs[i] + x1 * sn[i], y + i + half);
-    }
-  }
-}
-
 // A [T, heads, D] view whose heads x D sit contiguously in each token row (any row
 // stride, as the q / k slices of the fused qkv projection); otherwise a copy.
 at::Tensor rows_of_heads(const at::Tensor& t) {
@@ -175,20 +119,9 @@ at::Tensor rows_of_heads(const at::Tensor& t) {
 template <typename T, typename P>
 void rotary_typed(const at::Tensor& q_out, const at::Tensor& k_out, const at::Tensor& q,
                   const at::Tensor& k, const P* pos, const float* cos, const float* sin) {
-  const int64_t tokens = q.size(0), hq = q.size(1), hk = k.size(1), dim = q.size(2);
-  const int64_t qs = q.stride(0), ks = k.stride(0), half = dim / 2;
-  const T* qp = ptr<T>(q);
-  const T* kp = ptr<T>(k);
-  T* qo = mut_ptr<T>(q_out);
-  T* ko = mut_ptr<T>(k_out);
-  at::parallel_for(0, tokens, grain_rows((hq + hk) * dim), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* cs = cos + static_cast<int64_t>(pos[t]) * half;
-      const float* sn = sin + static_cast<int64_t>(pos[t]) * half;
-      rotate_token(qo + t * hq * dim, qp + t * qs, hq, dim, cs, sn);
-      rotate_token(ko + t * hk * dim, kp + t * ks, hk, dim, cs, sn);
-    }
-  });
+  pagoda_cpu_rows::rotary_rows(mut_ptr<T>(q_out), mut_ptr<T>(k_out), ptr<T>(q), q.stride(0),
+                               ptr<T>(k), k.stride(0), q.size(0), q.size(1), k.size(1),
+                               q.size(2), pos, cos, sin);
 }
 
 template <typename P>
@@ -282,10 +215,6 @@ at::Tensor silu_mul(const at::Tensor& x_in) {
 
 // ---------------------------------------------------------------- KV-cache write
 
-// Rows per parallel chunk of the cache write: a row copy is a memcpy of a few hundred
-// bytes, so a chunk needs many more of them than the arithmetic kernels' grain.
-constexpr int64_t kCopyGrainBytes = 1 << 18;
-
 // reference.write_kv_cache: row t of key / value to slot slot_mapping[t] of the caches
 // (flat slot = block * block_size + offset), -1 skipped; one memcpy per row and cache,
 // where torch's path takes two index_copy_ and a device-wide check for -1. key / value
@@ -326,20 +255,12 @@ void write_kv_cache(const at::Tensor& key_in, const at::Tensor& value_in, const 
     TORCH_CHECK_VALUE(sp[t] >= -1 && sp[t] < num_slots, "slot_mapping[", t, "] = ", sp[t],
                       " outside [-1, ", num_slots, ")");
   const int64_t row_bytes = key.size(1) * key.size(2) * key.element_size();
-  if (tokens == 0 || row_bytes == 0) return;
-  const int64_t ks = key.stride(0) * key.element_size(), vs = value.stride(0) * value.element_size();
-  const char* kp = static_cast<const char*>(key.const_data_ptr());
-  const char* vp = static_cast<const char*>(value.const_data_ptr());
-  char* kc = static_cast<char*>(k_cache.mutable_data_ptr());
-  char* vc = static_cast<char*>(v_cache.mutable_data_ptr());
-  at::parallel_for(0, tokens, std::max<int64_t>(1, kCopyGrainBytes / (2 * row_bytes)),
-                   [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      if (sp[t] < 0) continue;
-      std::memcpy(kc + sp[t] * row_bytes, kp + t * ks, row_bytes);
-      std::memcpy(vc + sp[t] * row_bytes, vp + t * vs, row_bytes);
-    }
-  });
+  pagoda_cpu_rows::write_kv_rows(static_cast<char*>(k_cache.mutable_data_ptr()),
+                                 static_cast<char*>(v_cache.mutable_data_ptr()),
+                                 static_cast<const char*>(key.const_data_ptr()),
+                                 key.stride(0) * key.element_size(),
+                                 static_cast<const char*>(value.const_data_ptr()),
+                                 value.stride(0) * value.element_size(), sp, tokens, row_bytes);
 }
 
 // out[r] = torch.argmax(x[r]) for a [R, V] fp32 or bf16 tensor with unit stride along V:
