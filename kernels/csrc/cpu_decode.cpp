@@ -139,9 +139,10 @@ struct Decode {
 
   // Calls fn(rows, view) for each block of tokens [start, end) of sequence b, rows
   // pointing at the block in `cache`. The first block is prefetched whole; the view of
-  // each block carries the offset of the next, which the block kernels prefetch row by
-  // row as they go (prefetch_twin); the last block's "next" is `after` (nullptr: none),
-  // the block read next in another pass, so the prefetches run on across passes.
+  // each block carries the offsets of the next and the one after it, which the block
+  // kernels prefetch row by row as they go (prefetch_twin); past the last block comes
+  // `after` (nullptr: none), the block read next in another pass, so the prefetches run
+  // on across passes.
   template <typename Fn>
   void for_each_block(const T* cache, int64_t b, int64_t start, int64_t end, const T* after,
                       Fn&& fn) const {
@@ -154,9 +155,11 @@ struct Decode {
       const int64_t here = static_cast<int64_t>(table[j]) * block_elems;
       const int64_t next = j < last ? static_cast<int64_t>(table[j + 1]) * block_elems - here
                            : after != nullptr ? after - (cache + here) : 0;
+      const int64_t far = j + 1 < last ? static_cast<int64_t>(table[j + 2]) * block_elems - here
+                          : j + 1 == last && after != nullptr ? after - (cache + here) : 0;
       // start is a multiple of block_size, so the block's tokens sit at pos..pos + n
-      fn(cache + here,
-         BlockView{std::min(s.block_size, end - j * s.block_size), j * s.block_size - start, next});
+      fn(cache + here, BlockView{std::min(s.block_size, end - j * s.block_size),
+                                 j * s.block_size - start, next, far});
     }
   }
 
