@@ -190,6 +190,18 @@ void store_epilogue(const Args<T>& a, int64_t m0, int rows, int64_t n0,
 }
 
 #if defined(PAGODA_GEMM_AVX512) || defined(PAGODA_GEMM_AVX2)
+// Up to this many tiles of a block of rows (the 6-row AVX2 tiles, fp32 and widened bf16:
+// a decode step's 19-72 rows) spread the next group's prefetch over all of them. From the
+// fourth tile on the old split (the first three tiles a line a step) left the rest none,
+// and the burst of a line every 6-cycle step filled the miss buffers: the prefetch
+// instruction and the panel's loads stalled (perf). One A/B process on the Zen 3 box,
+// SmolLM2's linears at 54 rows, weights from DRAM, over three runs: fp32 qkv / o /
+// gate_up / down 1.02-1.11 / 1.04-1.12 / 1.00-1.03 / 1.01-1.08x, bf16 1.04-1.06 /
+// 1.02-1.05 / 0.99-1.03 / 1.02x; a whole batch-54 step bf16 1.016x, fp32 level. At 256
+// rows (43 tiles) it measured 0.97-1.00x and the 2-row bf16 tiles (8-24 rows) 0.96-0.99x:
+// those keep the old split.
+constexpr int64_t kSpreadMaxTiles = 12;
+
 // Panel groups [q0, q1) (a panel, or a gated pair) for every row of x, in register tiles
 // of up to MaxRows rows: tile(m0, rows, panel, pf, pf_end, lines, gate, epilogue) runs
 // one (epilogue: a std::integral_constant<Epilogue, E>) and prefetches its share of the
@@ -197,9 +209,12 @@ void store_epilogue(const Args<T>& a, int64_t m0, int rows, int64_t n0,
 // group q in each block of rows.
 // lone_tile_lines: how many lines a step a lone tile (x of at most MaxRows rows)
 // prefetches of the next group (kVecs: as many as reach its end; 0: none).
+// spread (the 6-row AVX2 tiles): with more than kVecs and at most kSpreadMaxTiles tiles, every
+// tile prefetches an equal share of the next group, spread evenly over its first pass
+// (`lines` 0 says so), instead of the first tiles a line a step.
 template <class T, int MaxRows, class Tile, class Prepare>
 void run_panel_tiles(const Args<T>& a, int64_t q0, int64_t q1, Tile tile, Prepare prepare,
-                     int lone_tile_lines = kVecs) {
+                     int lone_tile_lines = kVecs, bool spread = false) {
   const int G = group_panels(a.gated);
   const int64_t group_bytes = G * a.Ks * kStepBytes;
   const char* base = reinterpret_cast<const char*>(a.packed);
@@ -207,11 +222,13 @@ void run_panel_tiles(const Args<T>& a, int64_t q0, int64_t q1, Tile tile, Prepar
   for (int64_t mb = 0; mb < a.M; mb += kMBlock) {
     const int64_t rows = std::min(kMBlock, a.M - mb);
     const int64_t tiles = (rows + MaxRows - 1) / MaxRows;
+    const bool spread_here = spread && tiles > kVecs && tiles <= kSpreadMaxTiles;
     // the next group's G * 3 * Ks lines over G * tiles calls of Ks steps
-    const int lines = tiles == 1
-                          ? lone_tile_lines
-                          : static_cast<int>(std::max<int64_t>(1, (kVecs + tiles - 1) / tiles));
-    const int64_t share = static_cast<int64_t>(lines) * a.Ks * kLine;  // bytes per call
+    const int lines = tiles == 1    ? lone_tile_lines
+                      : spread_here ? 0
+                                    : static_cast<int>(std::max<int64_t>(1, (kVecs + tiles - 1) / tiles));
+    const int64_t share = spread_here ? (kVecs * a.Ks + tiles - 1) / tiles * kLine
+                                      : static_cast<int64_t>(lines) * a.Ks * kLine;  // bytes per call
     for (int64_t q = q0; q < q1; ++q) {
       const int64_t nq = q + 1 < q1 ? q + 1 : a.after;  // the group read next, -1: none
       const char* next = base + std::max<int64_t>(nq, 0) * group_bytes;
@@ -457,7 +474,8 @@ __attribute__((always_inline)) inline void step_bf16_avx2(__m256 (&acc)[MR][NV],
 }
 
 // Rows [m0, m0 + MR) x the 48 columns of one panel, in passes of 8 NV columns, the first
-// prefetching the lines [pf, pf_end) of the next panel, lines_per_step a step. Wide (bf16
+// prefetching the lines [pf, pf_end) of the next panel, lines_per_step a step (0: spread
+// evenly over the pass; see kSpreadMaxTiles). Wide (bf16
 // only): the panel was widened to fp32 first (`wide`: a split fp32 panel of 2 Ks steps),
 // and fp32 tiles run on it.
 template <class T, int MR, Epilogue E, bool Wide = false>
@@ -497,7 +515,15 @@ void tile_avx2(const Args<T>& a, int64_t m0, int64_t panel, const char* pf,
       else step_bf16_avx2<MR, NV>(acc, x, ldx, bh, s);
     };
     int64_t s = 0;
-    if (h == 0) {
+    if (h == 0 && lines_per_step == 0 && pf < pf_end) {  // spread: a line every `stride` steps
+      const int64_t lines = (pf_end - pf + kLine - 1) / kLine;
+      const int64_t stride = std::max<int64_t>(1, steps / lines);
+      const char* p = pf;
+      for (int64_t l = 0; l < lines && s + stride <= steps; ++l, p += kLine) {
+        _mm_prefetch(p, _MM_HINT_T1);
+        for (const int64_t e = s + stride; s < e; ++s) step(s);
+      }
+    } else if (h == 0) {
       for (const int64_t n = prefetch_steps(steps, pf, pf_end, lines_per_step); s < n; ++s) {
         prefetch_step<_MM_HINT_T1>(pf, pf_end, s, lines_per_step);
         step(s);
@@ -581,7 +607,7 @@ void run_panels_avx2(const Args<T>& a, int64_t q0, int64_t q1) {
         const float* pw = w + (a.gated ? panel % 2 : 0) * panel_floats;
         run_tile_avx2<T, decltype(epilogue)::value, true>(a, m0, mr, panel, pf, pf_end, lines,
                                                           gate, pw);
-      }, [&](int64_t q) { widen_group(a, q, w); });
+      }, [&](int64_t q) { widen_group(a, q, w); }, kVecs, true);
       return;
     }
   }
@@ -591,7 +617,7 @@ void run_panels_avx2(const Args<T>& a, int64_t q0, int64_t q1) {
                                                         auto epilogue) {
     run_tile_avx2<T, decltype(epilogue)::value, false>(a, m0, mr, panel, pf, pf_end, lines,
                                                        gate, nullptr);
-  }, [](int64_t) {}, kAvx2LoneTileLines);
+  }, [](int64_t) {}, kAvx2LoneTileLines, avx2_max_rows<T>() == 6);
 }
 #endif
 
