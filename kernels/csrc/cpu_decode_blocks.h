@@ -68,12 +68,13 @@ struct Query {
 // slower (fp32-bf16, one A/B process); over adjacent blocks, from cache, or on small
 // pages the two measured alike.
 //
-// far_delta (the AVX2 kernels): the row's twin two blocks on as well, into L2
-// (prefetcht1), so a block's lines have been on their way for two blocks' compute when
+// far_delta (the AVX2 kernels, bf16 caches): the row's twin two blocks on as well, into
+// L2 (prefetcht1), so a block's lines have been on their way for two blocks' compute when
 // the twin prefetch into L1 asks for them. On the Zen 3 box (AVX2, one A/B process, 30
 // layers of KV on huge pages) bf16 batch 54 x 200-400 keys read K/V 1.07-1.10x faster
 // from randomly placed blocks and ~1.03x from adjacent ones (a whole batch-54 step
-// 1.02x); prefetching into L1 or 3-4 blocks on gained less; fp32 measured level.
+// 1.02x); prefetching into L1 or 3-4 blocks on gained less. fp32 caches prefetch the
+// block two on whole instead (cpu_decode.cpp, kWholeFar).
 template <typename T>
 inline void prefetch_twin(const T* row, int64_t next_delta, int64_t far_delta = 0) {
   if (far_delta != 0) {
