@@ -84,6 +84,12 @@ struct Split {
   const std::optional<Tensor>& prefill_starts;
 };
 
+using pagoda_cpu_rows::check_cpu;
+using pagoda_cpu_rows::check_positions;
+using pagoda_cpu_rows::check_rotary_tables;
+using pagoda_cpu_rows::check_slot_mapping;
+using pagoda_cpu_rows::check_slots;
+
 // The per-step tensors the row kernels (cpu_rows.h) read, checked once a step as the
 // cpu_fused ops check them once a call, and made contiguous where they were not.
 struct RowInputs {
@@ -91,10 +97,6 @@ struct RowInputs {
   std::vector<std::optional<Tensor>> q_norm, k_norm;
   Tensor positions, cos, sin, slots;
 };
-
-void check_cpu(const Tensor& t, const char* what) {
-  TORCH_CHECK_VALUE(t.device().is_cpu(), what, " must be a CPU tensor, got ", t.device());
-}
 
 Tensor dense(const Tensor& t) { return t.is_contiguous() ? t : t.contiguous(); }
 
@@ -107,13 +109,6 @@ Tensor norm_weight(const Tensor& w, int64_t n, at::ScalarType dtype, const char*
   TORCH_CHECK_VALUE(w.scalar_type() == dtype, "layer ", l, ": ", what, " dtype ",
                     w.scalar_type(), " != hidden dtype ", dtype);
   return dense(w);
-}
-
-template <typename P>
-void check_positions(const P* pos, int64_t n, int64_t max_position) {
-  for (int64_t t = 0; t < n; ++t)
-    TORCH_CHECK_VALUE(pos[t] >= 0 && pos[t] < max_position, "positions[", t, "] = ", pos[t],
-                      " outside the rotary cache [0, ", max_position, ")");
 }
 
 RowInputs check_rows(const Tensor& hidden, const Tensor& positions, at::TensorList input_norm,
@@ -141,15 +136,7 @@ RowInputs check_rows(const Tensor& hidden, const Tensor& positions, at::TensorLi
   // the rotary's inputs (cpu_fused's check_rotary)
   for (const auto* t : {&positions, &cos, &sin, &slot_mapping}) check_cpu(*t, "every tensor");
   TORCH_CHECK_VALUE(d.head_dim % 2 == 0, "head_dim must be even, got ", d.head_dim);
-  TORCH_CHECK_VALUE(positions.dim() == 1 && positions.size(0) == T, "positions must be [", T,
-                    "], got ", positions.sizes());
-  TORCH_CHECK_VALUE(positions.scalar_type() == at::kLong || positions.scalar_type() == at::kInt,
-                    "positions must be int64 or int32, got ", positions.scalar_type());
-  TORCH_CHECK_VALUE(cos.dim() == 2 && cos.size(1) == d.head_dim / 2 && sin.sizes() == cos.sizes(),
-                    "cos_cache and sin_cache must be [max_position, ", d.head_dim / 2,
-                    "], got ", cos.sizes(), " and ", sin.sizes());
-  TORCH_CHECK_VALUE(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
-                    "cos_cache and sin_cache must be float32");
+  check_rotary_tables(positions, cos, sin, T, d.head_dim);
   in.positions = dense(positions);
   in.cos = dense(cos);
   in.sin = dense(sin);
@@ -158,10 +145,7 @@ RowInputs check_rows(const Tensor& hidden, const Tensor& positions, at::TensorLi
   else
     check_positions(in.positions.const_data_ptr<int32_t>(), T, cos.size(0));
   // the caches and the slots (cpu_fused's write_kv_cache), every layer's before any write
-  TORCH_CHECK_VALUE(slot_mapping.dim() == 1 && slot_mapping.size(0) == T &&
-                        slot_mapping.scalar_type() == at::kLong,
-                    "slot_mapping must be [", T, "] int64, got ", slot_mapping.sizes(), " ",
-                    slot_mapping.scalar_type());
+  check_slot_mapping(slot_mapping, T);
   int64_t num_slots = std::numeric_limits<int64_t>::max();
   for (int64_t l = 0; l < L; ++l) {
     const Tensor &k = k_caches[l], &v = v_caches[l];
@@ -181,10 +165,7 @@ RowInputs check_rows(const Tensor& hidden, const Tensor& positions, at::TensorLi
     num_slots = std::min(num_slots, k.size(0) * k.size(1));
   }
   in.slots = dense(slot_mapping);
-  const int64_t* sp = in.slots.const_data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK_VALUE(sp[t] >= -1 && sp[t] < num_slots, "slot_mapping[", t, "] = ", sp[t],
-                      " outside [-1, ", num_slots, ")");
+  check_slots(in.slots.const_data_ptr<int64_t>(), T, num_slots);
   return in;
 }
 

@@ -36,6 +36,8 @@ namespace {
 using namespace pagoda_cpu_scalar;
 using pagoda_cpu_silu::silu_bf16_table;
 using pagoda_cpu_silu::silu_rounded;
+using pagoda_cpu_rows::check_cpu;
+using pagoda_cpu_rows::check_positions;
 using pagoda_cpu_rows::grain_rows;
 
 
@@ -51,9 +53,6 @@ const T* ptr(const at::Tensor& t) { return static_cast<const T*>(t.const_data_pt
 template <typename T>
 T* mut_ptr(const at::Tensor& t) { return static_cast<T*>(t.mutable_data_ptr()); }
 
-void check_cpu(const at::Tensor& t, const char* what) {
-  TORCH_CHECK_VALUE(t.device().is_cpu(), what, " must be a CPU tensor, got ", t.device());
-}
 
 // ---------------------------------------------------------------- RMSNorm
 
@@ -124,13 +123,6 @@ void rotary_typed(const at::Tensor& q_out, const at::Tensor& k_out, const at::Te
                                q.size(2), pos, cos, sin);
 }
 
-template <typename P>
-void check_positions(const P* pos, int64_t n, int64_t max_position) {
-  for (int64_t t = 0; t < n; ++t)
-    TORCH_CHECK_VALUE(pos[t] >= 0 && pos[t] < max_position, "positions[", t, "] = ", pos[t],
-                      " outside the rotary cache [0, ", max_position, ")");
-}
-
 void check_rotary(const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions,
                   const at::Tensor& cos, const at::Tensor& sin) {
   for (const auto* t : {&q, &k, &positions, &cos, &sin}) check_cpu(*t, "every tensor");
@@ -142,16 +134,7 @@ void check_rotary(const at::Tensor& q, const at::Tensor& k, const at::Tensor& po
                     " must share T and an even head_dim");
   TORCH_CHECK_VALUE(k.scalar_type() == q.scalar_type(), "key dtype ", k.scalar_type(),
                     " != query dtype ", q.scalar_type());
-  TORCH_CHECK_VALUE(positions.dim() == 1 && positions.size(0) == tokens, "positions must be [",
-                    tokens, "], got ", positions.sizes());
-  TORCH_CHECK_VALUE(
-      positions.scalar_type() == at::kLong || positions.scalar_type() == at::kInt,
-      "positions must be int64 or int32, got ", positions.scalar_type());
-  TORCH_CHECK_VALUE(cos.dim() == 2 && cos.size(1) == dim / 2 && sin.sizes() == cos.sizes(),
-                    "cos_cache and sin_cache must be [max_position, ", dim / 2, "], got ",
-                    cos.sizes(), " and ", sin.sizes());
-  TORCH_CHECK_VALUE(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
-                    "cos_cache and sin_cache must be float32");
+  pagoda_cpu_rows::check_rotary_tables(positions, cos, sin, tokens, dim);
 }
 
 std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& q_in, const at::Tensor& k_in,
@@ -242,18 +225,11 @@ void write_kv_cache(const at::Tensor& key_in, const at::Tensor& value_in, const 
   TORCH_CHECK_VALUE(k_cache.is_contiguous() && v_cache.is_contiguous(),
                     "k_cache and v_cache must be contiguous");
   const int64_t tokens = key_in.size(0);
-  TORCH_CHECK_VALUE(slot_mapping_in.dim() == 1 && slot_mapping_in.size(0) == tokens &&
-                        slot_mapping_in.scalar_type() == at::kLong,
-                    "slot_mapping must be [", tokens, "] int64, got ", slot_mapping_in.sizes(),
-                    " ", slot_mapping_in.scalar_type());
+  pagoda_cpu_rows::check_slot_mapping(slot_mapping_in, tokens);
   const at::Tensor key = rows_of_heads(key_in), value = rows_of_heads(value_in);
   const at::Tensor slots = slot_mapping_in.contiguous();
   const int64_t* sp = ptr<int64_t>(slots);
-  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
-  // every slot before any write, so that a bad one leaves the caches as they were
-  for (int64_t t = 0; t < tokens; ++t)
-    TORCH_CHECK_VALUE(sp[t] >= -1 && sp[t] < num_slots, "slot_mapping[", t, "] = ", sp[t],
-                      " outside [-1, ", num_slots, ")");
+  pagoda_cpu_rows::check_slots(sp, tokens, k_cache.size(0) * k_cache.size(1));
   const int64_t row_bytes = key.size(1) * key.size(2) * key.element_size();
   pagoda_cpu_rows::write_kv_rows(static_cast<char*>(k_cache.mutable_data_ptr()),
                                  static_cast<char*>(v_cache.mutable_data_ptr()),

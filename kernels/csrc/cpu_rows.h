@@ -1,6 +1,7 @@
 // Row kernels of the decoder layer on raw pointers: RMSNorm (with the residual add), the
-// rotary embedding (rotate-half) and the KV-cache write. cpu_fused.cpp wraps them as ops
-// (checks, allocation, the dispatcher); cpu_decoder.cpp calls them directly, on buffers
+// rotary embedding (rotate-half) and the KV-cache write, and the input checks both of
+// their callers make. cpu_fused.cpp wraps them as ops (checks, allocation, the
+// dispatcher); cpu_decoder.cpp calls them directly, on buffers
 // it allocates once a step, so a batch-1 layer pays no op dispatch, allocation or view
 // for them. One source for both keeps the two paths bit-identical; both extensions are
 // built with -ffp-contract=off (the rotary's products are rounded before the sum).
@@ -12,6 +13,8 @@
 #pragma once
 
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <cmath>
@@ -23,6 +26,53 @@
 namespace pagoda_cpu_rows {
 
 using namespace pagoda_cpu_scalar;
+
+// ---------------------------------------------------------------- input checks (ValueError)
+
+inline void check_cpu(const at::Tensor& t, const char* what) {
+  TORCH_CHECK_VALUE(t.device().is_cpu(), what, " must be a CPU tensor, got ", t.device());
+}
+
+// The rotary's positions ([tokens] int64 or int32) and cos / sin caches ([max_position,
+// dim / 2] fp32), their shapes and dtypes.
+inline void check_rotary_tables(const at::Tensor& positions, const at::Tensor& cos,
+                                const at::Tensor& sin, int64_t tokens, int64_t dim) {
+  TORCH_CHECK_VALUE(positions.dim() == 1 && positions.size(0) == tokens, "positions must be [",
+                    tokens, "], got ", positions.sizes());
+  TORCH_CHECK_VALUE(
+      positions.scalar_type() == at::kLong || positions.scalar_type() == at::kInt,
+      "positions must be int64 or int32, got ", positions.scalar_type());
+  TORCH_CHECK_VALUE(cos.dim() == 2 && cos.size(1) == dim / 2 && sin.sizes() == cos.sizes(),
+                    "cos_cache and sin_cache must be [max_position, ", dim / 2, "], got ",
+                    cos.sizes(), " and ", sin.sizes());
+  TORCH_CHECK_VALUE(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
+                    "cos_cache and sin_cache must be float32");
+}
+
+// Every position inside the rotary cache's max_position rows.
+template <typename P>
+void check_positions(const P* pos, int64_t n, int64_t max_position) {
+  for (int64_t t = 0; t < n; ++t)
+    TORCH_CHECK_VALUE(pos[t] >= 0 && pos[t] < max_position, "positions[", t, "] = ", pos[t],
+                      " outside the rotary cache [0, ", max_position, ")");
+}
+
+inline void check_slot_mapping(const at::Tensor& slot_mapping, int64_t tokens) {
+  TORCH_CHECK_VALUE(slot_mapping.dim() == 1 && slot_mapping.size(0) == tokens &&
+                        slot_mapping.scalar_type() == at::kLong,
+                    "slot_mapping must be [", tokens, "] int64, got ", slot_mapping.sizes(), " ",
+                    slot_mapping.scalar_type());
+}
+
+// Every slot in [-1, num_slots), checked before any write so that a bad one leaves the
+// caches as they were.
+inline void check_slots(const int64_t* slots, int64_t tokens, int64_t num_slots) {
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK_VALUE(slots[t] >= -1 && slots[t] < num_slots, "slot_mapping[", t, "] = ",
+                      slots[t], " outside [-1, ", num_slots, ")");
+}
+
+// ---------------------------------------------------------------- row kernels
 
 // Elements per parallel chunk: below this the pool's wake-up costs more than the work
 // (a [1, 576] norm takes well under a microsecond).
