@@ -247,7 +247,9 @@ std::tuple<Tensor, Tensor> decode_layers(
                                   k_caches, v_caches, cos_cache, sin_cache, slot_mapping, d);
   const Ops ops(gemm_ns, decode_ns, prefill_ns);
   const float eps = static_cast<float>(eps_in);
-  const bool qk_norms = in.q_norm[0].has_value();
+  // per layer, as the Python loop: a layer's q / k norms are its own
+  const bool qk_norms = std::any_of(in.q_norm.begin(), in.q_norm.end(),
+                                    [](const std::optional<Tensor>& n) { return n.has_value(); });
 
   const auto opts = hidden0.options();
   const Tensor normed = at::empty({T, H}, opts), residual = at::empty({T, H}, opts);
@@ -281,7 +283,7 @@ std::tuple<Tensor, Tensor> decode_layers(
       const E* k = q + q_size;
       const E* v = k + kv_size;
       int64_t qs = d.qkv_n, ks = d.qkv_n;
-      if (qk_norms) {  // Qwen3: per-head RMSNorm of q and k before the rotation
+      if (in.q_norm[l].has_value()) {  // Qwen3: per-head RMSNorm of q and k before the rotation
         pagoda_cpu_rows::rms_norm_rows<E>(mut<E>(q_normed), nullptr, q,
                                        RowLayout{d.num_heads, d.qkv_n}, nullptr,
                                        cptr<E>(*in.q_norm[l]), T * d.num_heads, d.head_dim, eps);
