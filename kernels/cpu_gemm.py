@@ -19,9 +19,11 @@ sums as ``linear`` stores them and then applies ``cpu_fused.silu_mul``'s arithme
 shared ``csrc/cpu_silu.h``): bit-equal to ``silu_mul(linear(x, pack(W), 2 I, b))``.
 The op checks its inputs (ValueError). ``available()`` reports whether it built;
 ``simd_dtypes()`` which dtypes run vector kernels: AVX-512 tiles for fp32, and for bf16
-with AVX512-BF16; else 256-bit AVX2 + FMA tiles (bf16 widened to fp32 in registers, or
-a panel at a time from 32 rows);
-``tile_paths()`` which. Without AVX2 the op runs portable loops (tests only), and
+with AVX512-BF16 (``vdpbf16ps``) or, without it (Ice Lake class), AVX-512 tiles that
+widen each bf16 pair of the panel to fp32 in registers (exact products, fp32 sums, as
+the AVX2 ones); else 256-bit AVX2 + FMA tiles (bf16 widened to fp32 in registers, or a
+panel at a time from 32 rows); ``tile_paths()`` which (``avx512``, ``avx512_widen``,
+``avx2``, ``portable``). Without AVX2 the op runs portable loops (tests only), and
 callers keep oneDNN.
 """
 

@@ -18,9 +18,10 @@ differences seen stay under 2 eps * sum|products|), yet below the ~1/K of that s
 lost or repeated product of average size would add: 4x below at K = 1536, 25x at 576.
 
 Cases, for each dtype, with the native build (the tiles ``tile_paths()`` names: AVX-512,
-AVX2 or portable loops), the AVX2 tiles forced with PAGODA_NO_AVX512 and the portable
-loops forced with PAGODA_PORTABLE (slow: a compile each; skipped for a dtype the native
-build already runs so): the five linears
+AVX-512 widening bf16, AVX2 or portable loops), the AVX2 tiles forced with
+PAGODA_NO_AVX512, the widening bf16 AVX-512 tiles forced with PAGODA_NO_BF16_DOT on an
+AVX512-BF16 CPU, and the portable loops forced with PAGODA_PORTABLE (slow: a compile each;
+skipped for a dtype the native build already runs so): the five linears
 of SmolLM2-135M at M = 1, 8, 9, 17, 64 (the lm_head at 1 and 9), odd shapes (N around
 the 48-column panel and 16-lane vector edges, N < 16, K odd (bf16 pads the last pair),
 K = 1, M around the 8-row tile and over several 256-row blocks), K = 0, M = 0, N = 0,
@@ -53,6 +54,8 @@ if not cpu_gemm.available():
 
 PORTABLE_NAMESPACE = "pagoda_cpu_gemm_portable"
 AVX2_NAMESPACE = "pagoda_cpu_gemm_avx2"
+WIDEN_NAMESPACE = "pagoda_cpu_gemm_avx512_widen"
+AVX512 = {"avx512f", "avx512bw", "avx512vl"}
 PANEL = 48  # output columns per packed panel (the layout's kNR)
 RUN = 16  # columns of a run of a split panel (kRunCols)
 # SmolLM2-135M: qkv, o, gate_up, down, lm_head as (N, K)
@@ -96,9 +99,16 @@ def _avx2() -> Build:
     return _variant("avx2", AVX2_NAMESPACE, "PAGODA_NO_AVX512")
 
 
+def _avx512_widen() -> Build:
+    """The AVX-512 tiles widening bf16 (as on a CPU without AVX512-BF16), built on an
+    AVX512-BF16 machine; its fp32 tiles are the native ones."""
+    return _variant("avx512_widen", WIDEN_NAMESPACE, "PAGODA_NO_BF16_DOT")
+
+
 @pytest.fixture(
     scope="module",
     params=["native", pytest.param("avx2", marks=pytest.mark.slow),
+            pytest.param("avx512_widen", marks=pytest.mark.slow),
             pytest.param("portable", marks=pytest.mark.slow)],
 )
 def build(request: pytest.FixtureRequest) -> Build:
@@ -108,6 +118,12 @@ def build(request: pytest.FixtureRequest) -> Build:
         if not {"avx2", "fma"} <= cpu_flags():
             pytest.skip("the CPU has no AVX2 + FMA")
         return _avx2()
+    if request.param == "avx512_widen":
+        if not AVX512 <= cpu_flags():
+            pytest.skip("the CPU has no AVX-512")
+        if cpu_gemm.tile_paths()[torch.bfloat16] == "avx512_widen":
+            pytest.skip("the native build runs the avx512_widen tiles (its cases ran them)")
+        return _avx512_widen()
     return NATIVE if request.param == "native" else _portable()
 
 
@@ -122,6 +138,8 @@ def gemm(build: Build, dtype: torch.dtype) -> Build:
     other tiles for it (else the native cases already ran them)."""
     if build.name != "native" and cpu_gemm.tile_paths()[dtype] == build.name:
         pytest.skip(f"the native build already runs the {build.name} tiles for {dtype}")
+    if build.name == "avx512_widen" and dtype != torch.bfloat16:
+        pytest.skip("the avx512_widen variant differs from the native build in bf16 only")
     return build
 
 
@@ -276,10 +294,11 @@ def test_pack_layout(gemm: Build, dtype: torch.dtype, n: int, k: int) -> None:
 
 def test_tile_paths_follow_the_cpu() -> None:
     have = cpu_flags()
-    avx512 = {"avx512f", "avx512bw", "avx512vl"} <= have
+    avx512 = AVX512 <= have
     avx2 = "avx2" if {"avx2", "fma"} <= have else "portable"
+    bf16_avx512 = "avx512" if "avx512_bf16" in have else "avx512_widen"
     want = {torch.float32: "avx512" if avx512 else avx2,
-            torch.bfloat16: "avx512" if avx512 and "avx512_bf16" in have else avx2}
+            torch.bfloat16: bf16_avx512 if avx512 else avx2}
     assert cpu_gemm.tile_paths() == want
     assert cpu_gemm.simd_dtypes() == {d for d, path in want.items() if path != "portable"}
 
@@ -300,6 +319,17 @@ def test_avx2_build_runs_the_avx2_tiles() -> None:
         return
     _avx2()
     assert list(getattr(torch.ops, AVX2_NAMESPACE).tile_paths()) == ["avx2"] * 2
+
+
+@pytest.mark.slow
+def test_widen_build_runs_the_widening_bf16_tiles() -> None:
+    if not AVX512 <= cpu_flags():
+        pytest.skip("the CPU has no AVX-512")
+    if "avx512_bf16" not in cpu_flags():  # the define changes nothing: the native build
+        assert cpu_gemm.tile_paths()[torch.bfloat16] == "avx512_widen"
+        return
+    _avx512_widen()
+    assert list(getattr(torch.ops, WIDEN_NAMESPACE).tile_paths()) == ["avx512", "avx512_widen"]
 
 
 GATED_SHAPES = [  # (M, I, K): SmolLM2's MLP, tails of I and K, several row blocks, K = 0

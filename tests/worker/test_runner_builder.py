@@ -29,7 +29,7 @@ def _fake_cpu(monkeypatch: pytest.MonkeyPatch, features: set[str], bf16_kernel: 
     ({"avx512f", "avx512_bf16"}, "cpu_gemm", torch.bfloat16),  # Zen 4/5, Cooper Lake
     ({"avx512f", "avx512_bf16", "amx_bf16"}, "onednn", torch.bfloat16),  # Sapphire Rapids
     (set(), "cpu_gemm", torch.bfloat16),  # AVX2 only: cpu_gemm's 256-bit bf16 tiles
-    ({"avx512f"}, "onednn", torch.float32),  # AVX-512 without BF16: bf16 is emulated
+    ({"avx512f"}, "cpu_gemm", torch.bfloat16),  # AVX-512 without BF16: widening tiles
     (set(), "onednn", torch.float32),  # no compiled GEMM (or no AVX2): oneDNN / F.linear
 ])
 def test_auto_is_bf16_where_it_is_the_faster_cpu_dtype(
