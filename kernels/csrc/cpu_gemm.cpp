@@ -329,18 +329,20 @@ __attribute__((always_inline)) inline void step_bf16(__m512 (&acc)[MR][kVecs],
 // the 32 zmm registers: against widening one weight vector at a time and broadcasting x
 // per FMA (load-port bound), SmolLM2's linears ran 1.43-1.53x faster at 54 and 256 rows
 // and 1.18-1.28x at 8 on an Ice Lake class Xeon (one A/B process); the whole model step
-// 2.9-4.1x oneDNN's emulated bf16 from 8 rows, and 1.0-1.2x cpu_gemm's fp32 tiles.
+// 2.9-4.1x oneDNN's emulated bf16 from 8 rows. With the odd words masked by a vpandd of
+// a zmm constant GCC spilled accumulators in the step loop (33 live zmm); a word-masked
+// move takes a k register instead: 1.09x at 54 and 256 rows, 1.02x at 1-8.
 template <int MR>
 __attribute__((always_inline)) inline void step_bf16_widen(__m512 (&acc)[MR][kVecs],
                                                            const float* x, int64_t ldx,
                                                            const uint16_t* b, int64_t s) {
   const uint16_t* bs = b + s * 2 * kNR;
-  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   __m512 w0[kVecs], w1[kVecs];
   for (int v = 0; v < kVecs; ++v) {
     const __m512i pairs = _mm512_loadu_si512(bs + 32 * v);
     w0[v] = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
-    w1[v] = _mm512_castsi512_ps(_mm512_and_si512(pairs, high));
+    // the high words kept by a word mask (a k register, not a zmm constant: 32 zmm are taken)
+    w1[v] = _mm512_castsi512_ps(_mm512_maskz_mov_epi16(0xAAAAAAAAu, pairs));
   }
   for (int m = 0; m < MR; ++m) {
     const float* xm = x + m * ldx + 2 * s;
