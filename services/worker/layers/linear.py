@@ -15,9 +15,9 @@ A CPU step is mostly its linears, so each CPU weight is packed once, at load
   or AVX-NE-CONVERT), 1.84x torch's F.linear at 1 row and 5.8-8.1x from 16 rows
   (102-141 GFLOP/s);
 - on AVX-512 without AVX512-BF16 (an Ice Lake class Xeon) its AVX-512 tiles in both
-  dtypes, bf16 widened to fp32 in registers: oneDNN's bf16 there is emulated, and even
-  cpu_gemm's 256-bit tiles ran SmolLM2's bf16 linears 1.7x its speed at 1 row and
-  2.4-2.6x from 8 rows; fp32 1.23x oneDNN at 1 row, 1.28-1.37x at 8-54 rows;
+  dtypes, bf16 widened to fp32 in registers: oneDNN's bf16 there is emulated, and the
+  widening tiles ran a whole SmolLM2 step's bf16 linears 1.44x its speed at 1 row and
+  3.7-4.1x from 8 rows; fp32 1.23x oneDNN at 1 row, 1.28-1.37x at 8-54 rows;
 - else oneDNN's linear on the weight reordered into its blocked layout (1.3-2.5x
   ``F.linear`` on plain fp32 weights), and in bf16 at up to ``GEMV_MAX_ROWS`` rows
   ``kernels.cpu_gemv`` on the plain weight, which reads it faster than oneDNN's bf16
