@@ -21,10 +21,12 @@ _HEADERS = [CSRC / "cpu_decode_blocks.h", CSRC / "cpu_reduce16.h", CSRC / "cpu_s
 OP_NAMESPACE = "pagoda_cpu_decode"  # the source's default PAGODA_OP_NS
 
 
-def build_library(namespace: str = OP_NAMESPACE, defines: tuple[str, ...] = ()) -> None:
+def build_library(namespace: str = OP_NAMESPACE, defines: tuple[str, ...] = (),
+                  cflags: tuple[str, ...] = ()) -> None:
     """Compile (or load from the cache) the kernel as ``torch.ops.<namespace>``; tests
-    build the portable path as a variant (``defines=("PAGODA_PORTABLE",)``)."""
-    build_extension(namespace, _SOURCE, _HEADERS, defines=defines)
+    build the portable path as a variant (``defines=("PAGODA_PORTABLE",)``), and the
+    AVX-512 path without AVX512-BF16 (``cflags=("-mno-avx512bf16",)``)."""
+    build_extension(namespace, _SOURCE, _HEADERS, extra_cflags=cflags, defines=defines)
 
 
 # a lambda: the source paths are read at build time

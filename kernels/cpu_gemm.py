@@ -37,13 +37,15 @@ _SOURCE = CSRC / "cpu_gemm.cpp"
 OP_NAMESPACE = "pagoda_cpu_gemm"  # the source's default PAGODA_OP_NS
 
 
-def build_library(namespace: str = OP_NAMESPACE, defines: tuple[str, ...] = ()) -> None:
+def build_library(namespace: str = OP_NAMESPACE, defines: tuple[str, ...] = (),
+                  cflags: tuple[str, ...] = ()) -> None:
     """Compile (or load from the cache) the kernel as ``torch.ops.<namespace>``; tests
-    build the portable path as a variant (``defines=("PAGODA_PORTABLE",)``)."""
+    build the portable path as a variant (``defines=("PAGODA_PORTABLE",)``), and the
+    widening bf16 tiles on an AVX512-BF16 CPU (``cflags=("-mno-avx512bf16",)``)."""
     # no FMA contraction: the gated epilogue's SiLU must round as cpu_fused's (the GEMM's
     # own FMAs are intrinsics)
     build_extension(namespace, _SOURCE, [SCALAR_HEADER, CSRC / "cpu_silu.h"],
-                    extra_cflags=("-ffp-contract=off",), defines=defines)
+                    extra_cflags=("-ffp-contract=off", *cflags), defines=defines)
 
 
 _extension = LazyExtension("cpu_gemm kernel", lambda: build_library())

@@ -67,10 +67,10 @@
     !defined(PAGODA_PORTABLE) && !defined(PAGODA_NO_AVX512)
 #define PAGODA_GEMM_AVX512 1
 #include <immintrin.h>
-#if defined(__AVX512BF16__) && !defined(PAGODA_NO_BF16_DOT)
+#if defined(__AVX512BF16__)
 #define PAGODA_GEMM_BF16 1
 #else
-// AVX-512 without BF16 (Ice Lake class; PAGODA_NO_BF16_DOT: tests build it anywhere):
+// AVX-512 without BF16 (Ice Lake class; tests build it anywhere with -mno-avx512bf16):
 // bf16 panels widened to fp32 in the tiles
 #define PAGODA_GEMM_BF16_WIDEN 1
 #endif

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernel_cases import assert_close, block_tables_for, paged_cache
+from kernel_cases import assert_close, block_tables_for, cpu_flags, paged_cache
 from kernels import cpu_decode, reference
 from kernels.cpu_extension import LazyExtension
 
@@ -251,3 +251,19 @@ def test_avx2_build() -> None:
     assert not ops.uses_avx512()
     _check_build(ops, "avx2", [(9, 3, 64, 16), (8, 2, 40, 32), (4, 4, 136, 16), (10, 2, 64, 16),
                                (8, 4, 64, 16), (4, 1, 36, 16)])
+
+
+@pytest.mark.slow
+def test_avx512_without_bf16_build() -> None:
+    """The AVX-512 tiles of machines without AVX512-BF16 (Ice Lake class: bf16 K/V rows
+    widened to fp32, no vdpbf16ps), built on an AVX512-BF16 one too."""
+    if "avx512f" not in cpu_flags():  # before a compile that could only skip
+        pytest.skip("no AVX-512 on this machine")
+    ops = getattr(torch.ops, cpu_decode.OP_NAMESPACE)
+    if "avx512_bf16" in cpu_flags():  # else the native build is this one
+        namespace = "pagoda_cpu_decode_no_bf16"
+        cpu_decode.build_library(namespace, cflags=("-mno-avx512bf16",))
+        ops = getattr(torch.ops, namespace)
+    assert ops.uses_avx512()
+    _check_build(ops, "avx512 without bf16", [(9, 3, 64, 16), (8, 2, 40, 32), (4, 4, 136, 16),
+                                              (10, 2, 64, 16)])

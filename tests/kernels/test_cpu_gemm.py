@@ -19,7 +19,7 @@ lost or repeated product of average size would add: 4x below at K = 1536, 25x at
 
 Cases, for each dtype, with the native build (the tiles ``tile_paths()`` names: AVX-512,
 AVX-512 widening bf16, AVX2 or portable loops), the AVX2 tiles forced with
-PAGODA_NO_AVX512, the widening bf16 AVX-512 tiles forced with PAGODA_NO_BF16_DOT on an
+PAGODA_NO_AVX512, the widening bf16 AVX-512 tiles forced with -mno-avx512bf16 on an
 AVX512-BF16 CPU, and the portable loops forced with PAGODA_PORTABLE (slow: a compile each;
 skipped for a dtype the native build already runs so): the five linears
 of SmolLM2-135M at M = 1, 8, 9, 17, 64 (the lm_head at 1 and 9), odd shapes (N around
@@ -84,8 +84,9 @@ NATIVE = Build("native", cpu_gemm.pack, cpu_gemm.linear, cpu_gemm.pack_gated,
                cpu_gemm.linear_silu)
 
 
-def _variant(name: str, namespace: str, define: str) -> Build:
-    cpu_gemm.build_library(namespace, defines=(define,))
+def _variant(name: str, namespace: str, define: str | None = None,
+             cflags: tuple[str, ...] = ()) -> Build:
+    cpu_gemm.build_library(namespace, defines=(define,) if define else (), cflags=cflags)
     ops = getattr(torch.ops, namespace)
     return Build(name, ops.pack, ops.linear, ops.pack_gated, ops.linear_silu)
 
@@ -102,7 +103,7 @@ def _avx2() -> Build:
 def _avx512_widen() -> Build:
     """The AVX-512 tiles widening bf16 (as on a CPU without AVX512-BF16), built on an
     AVX512-BF16 machine; its fp32 tiles are the native ones."""
-    return _variant("avx512_widen", WIDEN_NAMESPACE, "PAGODA_NO_BF16_DOT")
+    return _variant("avx512_widen", WIDEN_NAMESPACE, cflags=("-mno-avx512bf16",))
 
 
 @pytest.fixture(
