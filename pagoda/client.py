@@ -322,7 +322,7 @@ class Client(_Base):
         finished: set[int] = set()
         complete = False
         try:
-            self._sock.send(encode(req))
+            self._send(encode(req), rid, deadline)
             while len(finished) < n:
                 msg = self._next(rid, deadline)
                 if isinstance(msg, RequestError):
@@ -336,6 +336,16 @@ class Client(_Base):
             del self._buffers[rid]
             if not complete:  # closed early, timed out or failed: free the engine's blocks
                 self._abort_nowait(rid)
+
+    def _send(self, frame: bytes, rid: str, deadline: float | None) -> None:
+        """Sends once the socket takes the frame, by the deadline: a DEALER left without a
+        pipe (the frontend refused our CURVE handshake, or no connection yet under
+        ZMQ_IMMEDIATE) would block a plain send for ever."""
+        wait_ms = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
+        if not self._sock.poll(wait_ms, zmq.POLLOUT):
+            raise RequestTimeoutError(f"request {rid} timed out: the frontend took no message",
+                                      "timeout", rid)
+        self._sock.send(frame, flags=zmq.NOBLOCK)
 
     def _next(self, rid: str, deadline: float | None) -> GenerateOutput | RequestError:
         buf = self._buffers[rid]
@@ -437,18 +447,24 @@ class AsyncStream(AsyncIterator[GenerateOutput]):
         self._finished: set[int] = set()
         self._open = False  # sent and not yet complete
 
-    async def __anext__(self) -> GenerateOutput:
-        if self._queue is None:
-            self._queue = self._client._register(self.request_id)
-            self._open = True
-            await self._client._sock.send(encode(self._req))
-        elif not self._open:
-            raise StopAsyncIteration  # complete, failed or closed
+    def _remaining(self) -> float | None:
         remaining = None if self._deadline is None else self._deadline - time.monotonic()
+        if remaining is not None and remaining <= 0:
+            raise TimeoutError
+        return remaining
+
+    async def __anext__(self) -> GenerateOutput:
+        if self._queue is not None and not self._open:
+            raise StopAsyncIteration  # complete, failed or closed
         try:
-            if remaining is not None and remaining <= 0:
-                raise TimeoutError
-            msg = await asyncio.wait_for(self._queue.get(), remaining)
+            if self._queue is None:
+                self._queue = self._client._register(self.request_id)
+                self._open = True
+                # by the deadline too: a socket without a pipe (a refused CURVE handshake)
+                # would hold the send for ever
+                await asyncio.wait_for(self._client._sock.send(encode(self._req)),
+                                       self._remaining())
+            msg = await asyncio.wait_for(self._queue.get(), self._remaining())
         except TimeoutError:
             await self.aclose()
             raise RequestTimeoutError(f"request {self.request_id} timed out", "timeout",

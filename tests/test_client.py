@@ -13,10 +13,12 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import zmq
 
 from pagoda.client import (
     AsyncClient,
@@ -146,3 +148,46 @@ def test_several_client_processes_at_once(stack: FrontendStack) -> None:
     for p in procs:
         out, _ = p.communicate(timeout=60)
         assert p.returncode == 0 and out.strip().endswith(b"ok"), out.decode()
+
+
+def test_timeout_when_the_frontend_refuses_the_handshake() -> None:
+    """A frontend with CURVE keys refuses a client without them: the socket is left with
+    no pipe, where a plain send would wait for ever. Each request, the first and the ones
+    after the refusal, ends in a timeout (run in a thread: a hang fails, not stalls)."""
+    _, secret = zmq.curve_keypair()
+    ctx: zmq.Context = zmq.Context()
+    server = ctx.socket(zmq.ROUTER)
+    server.setsockopt(zmq.CURVE_SERVER, 1)
+    server.setsockopt(zmq.CURVE_SECRETKEY, secret)
+    server.setsockopt(zmq.LINGER, 0)
+    errors: list[BaseException] = []
+
+    def run(address: str) -> None:
+        try:
+            with Client(address) as c:
+                for _ in range(3):
+                    with pytest.raises(RequestTimeoutError):
+                        c.generate([1, 2, 3], timeout=0.3)
+
+            async def run_async() -> None:
+                async with AsyncClient(address) as ac:
+                    for _ in range(3):
+                        with pytest.raises(RequestTimeoutError):
+                            await ac.generate([1, 2, 3], timeout=0.3)
+
+            asyncio.run(run_async())
+        except BaseException as e:  # noqa: BLE001 - reported by the test thread
+            errors.append(e)
+
+    with tempfile.TemporaryDirectory(dir="/tmp") as d:
+        address = f"ipc://{d}/curve.sock"
+        server.bind(address)
+        try:
+            worker = threading.Thread(target=run, args=(address,), daemon=True)
+            worker.start()
+            worker.join(30)
+            assert not worker.is_alive(), "a request against a refusing frontend hung"
+            assert not errors, errors
+        finally:
+            server.close()
+            ctx.term()
