@@ -304,7 +304,9 @@ class Client(_Base):
         return self._exchange(req, self._deadline(timeout))
 
     def abort(self, request_id: str) -> None:
-        self._sock.send(encode(AbortRequest([request_id])))
+        """Asks the frontend to drop the request; RequestTimeoutError where the socket
+        takes no message within the client's timeout."""
+        self._send(encode(AbortRequest([request_id])), request_id, self._deadline(_DEFAULT))
 
     def close(self) -> None:
         self._sock.close()
@@ -399,7 +401,14 @@ class AsyncClient(_Base):
         return AsyncStream(self, req, self._deadline(timeout))
 
     async def abort(self, request_id: str) -> None:
-        await self._sock.send(encode(AbortRequest([request_id])))
+        """Asks the frontend to drop the request; RequestTimeoutError where the socket
+        takes no message within the client's timeout."""
+        try:
+            await asyncio.wait_for(self._sock.send(encode(AbortRequest([request_id]))),
+                                   self.timeout)
+        except TimeoutError:
+            raise RequestTimeoutError(f"abort of {request_id} timed out: the frontend took "
+                                      "no message", "timeout", request_id) from None
 
     async def close(self) -> None:
         if self._recv_task is not None:

@@ -153,7 +153,8 @@ def test_several_client_processes_at_once(stack: FrontendStack) -> None:
 def test_timeout_when_the_frontend_refuses_the_handshake() -> None:
     """A frontend with CURVE keys refuses a client without them: the socket is left with
     no pipe, where a plain send would wait for ever. Each request, the first and the ones
-    after the refusal, ends in a timeout (run in a thread: a hang fails, not stalls)."""
+    after the refusal, ends in a timeout, and so does an abort (run in a thread: a hang
+    fails, not stalls)."""
     _, secret = zmq.curve_keypair()
     ctx: zmq.Context = zmq.Context()
     server = ctx.socket(zmq.ROUTER)
@@ -164,16 +165,20 @@ def test_timeout_when_the_frontend_refuses_the_handshake() -> None:
 
     def run(address: str) -> None:
         try:
-            with Client(address) as c:
+            with Client(address, timeout=0.3) as c:
                 for _ in range(3):
                     with pytest.raises(RequestTimeoutError):
-                        c.generate([1, 2, 3], timeout=0.3)
+                        c.generate([1, 2, 3])
+                with pytest.raises(RequestTimeoutError):
+                    c.abort("gone")
 
             async def run_async() -> None:
-                async with AsyncClient(address) as ac:
+                async with AsyncClient(address, timeout=0.3) as ac:
                     for _ in range(3):
                         with pytest.raises(RequestTimeoutError):
-                            await ac.generate([1, 2, 3], timeout=0.3)
+                            await ac.generate([1, 2, 3])
+                    with pytest.raises(RequestTimeoutError):
+                        await ac.abort("gone")
 
             asyncio.run(run_async())
         except BaseException as e:  # noqa: BLE001 - reported by the test thread
