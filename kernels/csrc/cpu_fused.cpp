@@ -53,7 +53,6 @@ const T* ptr(const at::Tensor& t) { return static_cast<const T*>(t.const_data_pt
 template <typename T>
 T* mut_ptr(const at::Tensor& t) { return static_cast<T*>(t.mutable_data_ptr()); }
 
-
 // ---------------------------------------------------------------- RMSNorm
 
 template <typename T>

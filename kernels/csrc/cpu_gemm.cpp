@@ -128,10 +128,11 @@ struct Args {
   int64_t after = -1;
 };
 
-// Whether the AVX-512 tiles of T read x widened to fp32 (Args::xf): bf16 without BF16
+// Whether this build's tiles of T read x widened to fp32 (Args::xf): bf16 without a bf16
+// dot product, on the AVX-512 widening tiles or the AVX2 ones
 template <class T>
 constexpr bool widened_x() {
-#ifdef PAGODA_GEMM_BF16_WIDEN
+#if defined(PAGODA_GEMM_BF16_WIDEN) || (defined(PAGODA_GEMM_AVX2) && !defined(PAGODA_GEMM_BF16))
   return sizeof(T) == 2;
 #else
   return false;
@@ -884,7 +885,7 @@ at::Tensor run_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t 
               bias.defined() ? static_cast<const T*>(bias.const_data_ptr()) : nullptr,
               static_cast<T*>(out.mutable_data_ptr()), M, n, Ks, x.stride(0), gated};
 #ifdef PAGODA_GEMM_AVX2
-    if constexpr (sizeof(T) == 2 && (path_for<T>() == Path::kAvx2 || widened_x<T>())) {
+    if constexpr (widened_x<T>()) {
       a.xf = widen_rows(a.x, M, Ks * 2, a.ldx);
       a.ldxf = Ks * 2;
     }
@@ -928,7 +929,9 @@ std::vector<std::string> tile_paths() {
     return p == Path::kAvx512 ? "avx512" : p == Path::kAvx2 ? "avx2" : "portable";
   };
   return {name(path_for<float>()),
-          widened_x<uint16_t>() ? "avx512_widen" : name(path_for<uint16_t>())};
+          path_for<uint16_t>() == Path::kAvx512 && widened_x<uint16_t>()
+              ? "avx512_widen"
+              : name(path_for<uint16_t>())};
 }
 
 }  // namespace
