@@ -343,11 +343,22 @@ class Client(_Base):
         """Sends once the socket takes the frame, by the deadline: a DEALER left without a
         pipe (the frontend refused our CURVE handshake, or no connection yet under
         ZMQ_IMMEDIATE) would block a plain send for ever."""
-        wait_ms = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
-        if not self._sock.poll(wait_ms, zmq.POLLOUT):
-            raise RequestTimeoutError(f"request {rid} timed out: the frontend took no message",
-                                      "timeout", rid)
-        self._sock.send(frame, flags=zmq.NOBLOCK)
+        while True:
+            wait_ms = (None if deadline is None
+                       else max(0, int((deadline - time.monotonic()) * 1000)))
+            if not self._sock.poll(wait_ms, zmq.POLLOUT):
+                raise RequestTimeoutError(
+                    f"request {rid} timed out: the frontend took no message", "timeout", rid)
+            try:
+                self._sock.send(frame, flags=zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                # The pipe went between poll and send (a refused handshake drops the pipe
+                # each reconnect makes): wait for the next one, by the same deadline.
+                if wait_ms == 0:
+                    raise RequestTimeoutError(
+                        f"request {rid} timed out: the frontend took no message",
+                        "timeout", rid) from None
 
     def _next(self, rid: str, deadline: float | None) -> GenerateOutput | RequestError:
         buf = self._buffers[rid]

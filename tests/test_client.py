@@ -26,7 +26,8 @@ from pagoda.client import (
     InvalidRequestError,
     RequestTimeoutError,
 )
-from shared.protocol import AddRequest
+from shared.codec import decode
+from shared.protocol import AddRequest, GenerateRequest
 from support.fake_scheduler import Script
 from support.frontend_proc import REPO_ROOT, FrontendStack, start_frontend
 
@@ -193,6 +194,54 @@ def test_timeout_when_the_frontend_refuses_the_handshake() -> None:
             worker.join(30)
             assert not worker.is_alive(), "a request against a refusing frontend hung"
             assert not errors, errors
+        finally:
+            server.close()
+            ctx.term()
+
+
+class _PipeGoesAtSend:
+    """A DEALER whose pipe goes between poll and send, as when a refused handshake drops
+    the pipe a reconnect made: the first ``drops`` sends raise Again."""
+
+    def __init__(self, sock: zmq.Socket, drops: int) -> None:
+        self._sock = sock
+        self.drops = drops
+
+    def send(self, frame: bytes, flags: int = 0) -> None:
+        if self.drops > 0:
+            self.drops -= 1
+            raise zmq.Again()
+        self._sock.send(frame, flags=flags)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._sock, name)
+
+
+def test_a_pipe_lost_between_poll_and_send_is_waited_for_not_raised() -> None:
+    """Poll said writable, then the send found no pipe: the client waits for the next
+    pipe by the same deadline (the request reaches the frontend), and where none comes,
+    the caller gets a RequestTimeoutError, never zmq's Again."""
+    ctx: zmq.Context = zmq.Context()
+    server = ctx.socket(zmq.ROUTER)
+    server.setsockopt(zmq.LINGER, 0)
+    with tempfile.TemporaryDirectory(dir="/tmp") as d:
+        address = f"ipc://{d}/router.sock"
+        server.bind(address)
+        try:
+            with Client(address, timeout=0.5) as c:
+                c._sock = _PipeGoesAtSend(c._sock, drops=1)  # type: ignore[assignment]
+                with pytest.raises(RequestTimeoutError):
+                    c.generate([1, 2, 3], request_id="r1")  # the server never answers
+                assert server.poll(2000, zmq.POLLIN)
+                _, frame = server.recv_multipart()
+                assert isinstance(decode(frame), GenerateRequest)
+                assert decode(frame).request_id == "r1"
+
+                c._sock = _PipeGoesAtSend(c._sock._sock, drops=10**9)  # type: ignore[attr-defined]
+                with pytest.raises(RequestTimeoutError):
+                    c.generate([1, 2, 3], timeout=0.2)
+                with pytest.raises(RequestTimeoutError):
+                    c.abort("r1")
         finally:
             server.close()
             ctx.term()
