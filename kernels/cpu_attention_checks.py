@@ -36,12 +36,14 @@ def check_buffers(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     indices: dict[str, torch.Tensor], out: torch.Tensor | None,
 ) -> None:
-    """One dtype in DTYPES for query and caches, INDEX_DTYPES for each named index tensor,
-    ``out`` like query, and every tensor contiguous on the CPU."""
-    if query.dtype not in DTYPES or not query.dtype == k_cache.dtype == v_cache.dtype:
+    """One dtype in DTYPES for query and caches (or an fp32 query over bf16 caches, an
+    fp32 model's bf16 KV cache), INDEX_DTYPES for each named index tensor, ``out`` like
+    query, and every tensor contiguous on the CPU."""
+    if (query.dtype not in DTYPES or k_cache.dtype != v_cache.dtype
+            or k_cache.dtype not in (query.dtype, torch.bfloat16)):
         raise ValueError(
-            f"query, k_cache, v_cache must share a dtype in {DTYPES}; got "
-            f"{query.dtype}, {k_cache.dtype}, {v_cache.dtype}"
+            f"query, k_cache, v_cache must share a dtype in {DTYPES} (or be float32 over "
+            f"bfloat16 caches); got {query.dtype}, {k_cache.dtype}, {v_cache.dtype}"
         )
     if any(t.dtype not in INDEX_DTYPES for t in indices.values()):
         raise ValueError(

@@ -28,6 +28,9 @@ from shared.ipc import DEFAULT_HWM, check_address
 
 DEFAULT_BASE_PORT = 5570  # scheduler: +0 frontends, +1 step, +2 results; frontends: +10 + i
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+# auto: the model's dtype; bfloat16: a bf16 KV cache under an fp32 model too (CPU only,
+# opt-in: it changes tokens against HF)
+KV_CACHE_DTYPES = ("auto", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "triton", "cpu", "torch")  # services/worker/attention/selector.py
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral", "none")  # tokenizer/tool_parsers.py
 DEFAULT_CACHE_DIR = "~/.cache/pagoda"
@@ -120,6 +123,10 @@ class EngineSettings:
     # one of DTYPES; auto: bfloat16 on CUDA and on CPUs where it is the faster dtype
     # (services/worker/runner_builder.cpu_runs_bf16_fast), else float32
     dtype: str = "auto"
+    # one of KV_CACHE_DTYPES: the KV cache's element type (services/worker/runner_builder.
+    # resolve_kv_cache_dtype); bfloat16 under a float32 model halves the bytes every
+    # attention reads, at the cost of exact tokens (opt-in, as vLLM's --kv-cache-dtype)
+    kv_cache_dtype: str = "auto"
     device: str = "auto"  # auto, cpu, cuda, cuda:N
     tensor_parallel_size: int = 1  # worker ranks a model is split over (services/worker/parallel.py)
     max_queued_requests: int = 1024  # waiting requests before the scheduler answers overloaded
@@ -155,6 +162,9 @@ class EngineSettings:
                               f"{self.gpu_memory_utilization}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype: must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype: must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                              f"got {self.kv_cache_dtype!r}")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ConfigError(f"device: expected auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -395,6 +405,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("num_kv_blocks", "engine", _optional(int), None, "KV pool size in blocks"),
     Setting("max_model_len", "engine", _optional(int), None, "longest prompt + output"),
     Setting("dtype", "engine", str, _ENGINE.dtype, f"one of {', '.join(DTYPES)}"),
+    Setting("kv_cache_dtype", "engine", _choice(*KV_CACHE_DTYPES), _ENGINE.kv_cache_dtype,
+            "KV cache element type; auto: the model's dtype; bfloat16 also under a float32 "
+            "model (CPU only; halves the attention's bytes, tokens may differ from HF)"),
     Setting("device", "engine", str, _ENGINE.device, "auto, cpu, cuda or cuda:N"),
     Setting("tensor_parallel_size", "engine", int, _ENGINE.tensor_parallel_size,
             "worker ranks the model is split over (tensor parallelism)"),

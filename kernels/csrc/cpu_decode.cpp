@@ -113,16 +113,18 @@ constexpr bool kWholeFar =
     false;
 #endif
 
-template <typename T, typename I>  // T: cache element (float or bf16 bits), I: table index
+// Q: query / output element, T: cache element (float or bf16 bits; bf16 under an fp32
+// query where an fp32 model keeps a bf16 KV cache), I: table index
+template <typename Q, typename T, typename I>
 struct Decode {
   const Shape s;
-  const T* query;           // [batch, num_heads, D]
+  const Q* query;           // [batch, num_heads, D]
   const T* k_cache;         // [num_blocks, block_size, num_kv_heads, D]
   const T* v_cache;         // [num_blocks, block_size, num_kv_heads, D]
   const I* block_tables;    // [batch, max_blocks]
   const int64_t* seq_lens;  // [batch]
   float scale;
-  T* out;                   // [batch, num_heads, D]
+  Q* out;                   // [batch, num_heads, D]
   float* part_out;          // num_parts > 1: [batch, num_heads, num_parts, D]
   float* part_lse;          // num_parts > 1: [batch, num_heads, num_parts]
 
@@ -200,7 +202,7 @@ struct Decode {
     float* acc = w.acc.data();
     for (int64_t i = 0; i < H * D; ++i) q[i] = to_f32(query[b * H * D + i]) * scale;
     Query qv{q, nullptr, scale};
-    if constexpr (std::is_same_v<T, uint16_t>) qv.bf16 = query + b * H * D;
+    if constexpr (std::is_same_v<Q, uint16_t>) qv.bf16 = query + b * H * D;
     for_each_block(k_cache, b, start, end, first_block(v_cache, item),
                    [&](const T* rows, BlockView bv) { block_scores(s, rows, bv, qv, sc); });
     float* row_max = w.stats.data();
@@ -315,7 +317,7 @@ struct Args {
   double softcap;
 };
 
-template <typename T, typename I>
+template <typename Q, typename T, typename I>
 void decode_typed(const Args& a, const std::vector<int64_t>& lens) {
   Shape s{};
   s.batch = a.query.size(0);
@@ -337,14 +339,14 @@ void decode_typed(const Args& a, const std::vector<int64_t>& lens) {
     part_out = at::empty({s.batch, s.num_heads, s.num_parts, s.head_dim}, f32);
     part_lse = at::empty({s.batch, s.num_heads, s.num_parts}, f32);
   }
-  const Decode<T, I> dec{s,
-                         reinterpret_cast<const T*>(a.query.data_ptr()),
+  const Decode<Q, T, I> dec{s,
+                         reinterpret_cast<const Q*>(a.query.data_ptr()),
                          reinterpret_cast<const T*>(a.k_cache.data_ptr()),
                          reinterpret_cast<const T*>(a.v_cache.data_ptr()),
                          tables,
                          lens.data(),
                          static_cast<float>(a.scale),
-                         reinterpret_cast<T*>(a.out.data_ptr()),
+                         reinterpret_cast<Q*>(a.out.data_ptr()),
                          s.num_parts > 1 ? part_out.data_ptr<float>() : nullptr,
                          s.num_parts > 1 ? part_lse.data_ptr<float>() : nullptr};
   for_each_item(s.batch * s.num_parts, s,
@@ -356,7 +358,8 @@ void decode_typed(const Args& a, const std::vector<int64_t>& lens) {
 }
 
 // Shapes, dtypes and contiguity are checked by the Python wrapper: fp32 or bf16 query and
-// caches alike, int32 or int64 block_tables and seq_lens (each its own).
+// caches alike, or an fp32 query over bf16 caches; int32 or int64 block_tables and
+// seq_lens (each its own).
 void decode(const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
             const at::Tensor& v_cache, const at::Tensor& block_tables,
             const at::Tensor& seq_lens, double scale, int64_t partition_size, int64_t window,
@@ -370,11 +373,19 @@ void decode(const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_
   const Args a{out, query, k_cache, v_cache, block_tables, seq_lens,
                scale, partition_size, window, softcap};
   const bool fp32 = query.scalar_type() == at::kFloat;
+  const bool bf16_cache = k_cache.scalar_type() == at::kBFloat16;
   const bool int32 = block_tables.scalar_type() == at::kInt;
-  if (fp32 && int32) decode_typed<float, int32_t>(a, lens);
-  else if (fp32) decode_typed<float, int64_t>(a, lens);
-  else if (int32) decode_typed<uint16_t, int32_t>(a, lens);
-  else decode_typed<uint16_t, int64_t>(a, lens);
+  if (fp32 && !bf16_cache) {
+    if (int32) decode_typed<float, float, int32_t>(a, lens);
+    else decode_typed<float, float, int64_t>(a, lens);
+  } else if (fp32) {
+    if (int32) decode_typed<float, uint16_t, int32_t>(a, lens);
+    else decode_typed<float, uint16_t, int64_t>(a, lens);
+  } else if (int32) {
+    decode_typed<uint16_t, uint16_t, int32_t>(a, lens);
+  } else {
+    decode_typed<uint16_t, uint16_t, int64_t>(a, lens);
+  }
 }
 
 bool uses_avx512() {

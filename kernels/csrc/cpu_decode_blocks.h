@@ -58,7 +58,7 @@ struct BlockView {
 // One sequence's query rows, [num_heads, D], as the block kernels take them.
 struct Query {
   const float* scaled;    // fp32, times the softmax scale
-  const uint16_t* bf16;   // bf16 caches only: the query's own bits, unscaled
+  const uint16_t* bf16;   // a bf16 query only: its own bits, unscaled (else nullptr)
   float scale;
 };
 
@@ -286,10 +286,14 @@ void block_scores(const Shape& s, const T* rows, BlockView bv, const Query& q, f
   for_each_tile(s, [&](auto gt, int64_t kvh, int64_t h) {
     constexpr int G = decltype(gt)::value;
 #ifdef PAGODA_DECODE_DPBF16
+    // a bf16 query: vdpbf16ps on both sides' bits; an fp32 one (bf16 cache under an fp32
+    // model) keeps its precision and takes the widening tile
     if constexpr (std::is_same_v<T, uint16_t>) {
-      scores_tile_bf16<G>(s, rows + kvh * s.head_dim, bv, q.bf16 + h * s.head_dim, q.scale,
-                          scores + h * s.part_tokens);
-      return;
+      if (q.bf16 != nullptr) {
+        scores_tile_bf16<G>(s, rows + kvh * s.head_dim, bv, q.bf16 + h * s.head_dim, q.scale,
+                            scores + h * s.part_tokens);
+        return;
+      }
     }
 #endif
     scores_tile<G>(s, rows + kvh * s.head_dim, bv, q.scaled + h * s.head_dim,

@@ -156,9 +156,13 @@ RowInputs check_rows(const Tensor& hidden, const Tensor& positions, at::TensorLi
                       "layer ", l, ": k_cache and v_cache must be [num_blocks, block_size, ",
                       d.num_kv_heads, ", ", d.head_dim, "], got ", k.sizes(), " and ",
                       v.sizes());
-    TORCH_CHECK_VALUE(k.scalar_type() == dtype && v.scalar_type() == dtype, "layer ", l,
-                      ": k_cache and v_cache must be ", dtype, ", got ", k.scalar_type(),
-                      " and ", v.scalar_type());
+    // the hidden dtype, or bf16 under fp32 (an fp32 model's bf16 KV cache), as layer 0's
+    const auto cache_dtype = k_caches[0].scalar_type();
+    TORCH_CHECK_VALUE((cache_dtype == dtype || cache_dtype == at::kBFloat16) &&
+                          k.scalar_type() == cache_dtype && v.scalar_type() == cache_dtype,
+                      "layer ", l, ": k_cache and v_cache must be ", dtype,
+                      " (or bfloat16 under float32, in every layer alike), got ",
+                      k.scalar_type(), " and ", v.scalar_type());
     // a copy of a cache would take the writes and be dropped
     TORCH_CHECK_VALUE(k.is_contiguous() && v.is_contiguous(),
                       "k_cache and v_cache must be contiguous");
@@ -274,6 +278,7 @@ std::tuple<Tensor, Tensor> decode_layers(
     const E* stream = cptr<E>(hidden0);
     Tensor hidden = hidden0;
     const int64_t kv_row_bytes = kv_size * static_cast<int64_t>(sizeof(E));
+    const bool bf16_cache = sizeof(E) == 4 && k_caches[0].scalar_type() == at::kBFloat16;
     for (int64_t l = 0; l < L; ++l) {
       pagoda_cpu_rows::rms_norm_rows<E>(mut<E>(normed), res, cptr<E>(hidden), RowLayout{1, H},
                                      l == 0 ? nullptr : stream, cptr<E>(in.input_norm[l]), T, H,
@@ -299,12 +304,18 @@ std::tuple<Tensor, Tensor> decode_layers(
       pagoda_cpu_rows::rotary_rows(mut<E>(q_rot), mut<E>(k_rot), q, qs, k, ks, T, d.num_heads,
                                    d.num_kv_heads, d.head_dim, cptr<P>(in.positions),
                                    cptr<float>(in.cos), cptr<float>(in.sin));
-      pagoda_cpu_rows::write_kv_rows(
-          static_cast<char*>(k_caches[l].mutable_data_ptr()),
-          static_cast<char*>(v_caches[l].mutable_data_ptr()),
-          reinterpret_cast<const char*>(cptr<E>(k_rot)), kv_row_bytes,
-          reinterpret_cast<const char*>(v), d.qkv_n * static_cast<int64_t>(sizeof(E)),
-          cptr<int64_t>(in.slots), T, kv_row_bytes);
+      if (bf16_cache)
+        pagoda_cpu_rows::write_kv_rows_bf16(
+            mut<uint16_t>(k_caches[l]), mut<uint16_t>(v_caches[l]),
+            reinterpret_cast<const float*>(cptr<E>(k_rot)), kv_size,
+            reinterpret_cast<const float*>(v), d.qkv_n, cptr<int64_t>(in.slots), T, kv_size);
+      else
+        pagoda_cpu_rows::write_kv_rows(
+            static_cast<char*>(k_caches[l].mutable_data_ptr()),
+            static_cast<char*>(v_caches[l].mutable_data_ptr()),
+            reinterpret_cast<const char*>(cptr<E>(k_rot)), kv_row_bytes,
+            reinterpret_cast<const char*>(v), d.qkv_n * static_cast<int64_t>(sizeof(E)),
+            cptr<int64_t>(in.slots), T, kv_row_bytes);
       if (views.dec_out.defined())
         ops.decode.call(views.dec_out, views.dec_q, k_caches[l], v_caches[l], views.dec_tables,
                         views.dec_lens, scale, 0, 0, 0.0);

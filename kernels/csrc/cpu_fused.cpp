@@ -212,14 +212,15 @@ void write_kv_cache(const at::Tensor& key_in, const at::Tensor& value_in, const 
                         k_cache.size(2) == key_in.size(1) && k_cache.size(3) == key_in.size(2),
                     "k_cache and v_cache must be [num_blocks, block_size, ", key_in.size(1), ", ",
                     key_in.size(2), "], got ", k_cache.sizes(), " and ", v_cache.sizes());
-  const auto dtype = key_in.scalar_type();
+  const auto dtype = key_in.scalar_type(), cache_dtype = k_cache.scalar_type();
   TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kBFloat16,
                     "key must be float32 or bfloat16, got ", dtype);
-  TORCH_CHECK_VALUE(value_in.scalar_type() == dtype && k_cache.scalar_type() == dtype &&
-                        v_cache.scalar_type() == dtype,
-                    "key, value, k_cache and v_cache must share a dtype, got ", dtype, ", ",
-                    value_in.scalar_type(), ", ", k_cache.scalar_type(), ", ",
-                    v_cache.scalar_type());
+  // the caches in the rows' dtype, or bf16 caches under fp32 rows (rounded as written)
+  TORCH_CHECK_VALUE(value_in.scalar_type() == dtype && v_cache.scalar_type() == cache_dtype &&
+                        (cache_dtype == dtype || cache_dtype == at::kBFloat16),
+                    "key and value must share a dtype, and k_cache and v_cache theirs or "
+                    "bfloat16; got ", dtype, ", ", value_in.scalar_type(), ", ", cache_dtype,
+                    ", ", v_cache.scalar_type());
   // a copy of a cache would take the writes and be dropped
   TORCH_CHECK_VALUE(k_cache.is_contiguous() && v_cache.is_contiguous(),
                     "k_cache and v_cache must be contiguous");
@@ -229,6 +230,13 @@ void write_kv_cache(const at::Tensor& key_in, const at::Tensor& value_in, const 
   const at::Tensor slots = slot_mapping_in.contiguous();
   const int64_t* sp = ptr<int64_t>(slots);
   pagoda_cpu_rows::check_slots(sp, tokens, k_cache.size(0) * k_cache.size(1));
+  if (cache_dtype != dtype) {
+    pagoda_cpu_rows::write_kv_rows_bf16(
+        static_cast<uint16_t*>(k_cache.mutable_data_ptr()),
+        static_cast<uint16_t*>(v_cache.mutable_data_ptr()), ptr<float>(key), key.stride(0),
+        ptr<float>(value), value.stride(0), sp, tokens, key.size(1) * key.size(2));
+    return;
+  }
   const int64_t row_bytes = key.size(1) * key.size(2) * key.element_size();
   pagoda_cpu_rows::write_kv_rows(static_cast<char*>(k_cache.mutable_data_ptr()),
                                  static_cast<char*>(v_cache.mutable_data_ptr()),

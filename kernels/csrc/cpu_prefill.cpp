@@ -103,17 +103,19 @@ struct Args {
   double softcap;
 };
 
-template <typename T, typename I>  // T: element (float or bf16 bits), I: block-table index
+// Q: query / output element, T: cache element (float or bf16 bits; bf16 under an fp32
+// query where an fp32 model keeps a bf16 KV cache), I: block-table index
+template <typename Q, typename T, typename I>
 struct Prefill {
   const Shape s;
-  const T* query;  // [num_tokens, num_heads, D]
+  const Q* query;  // [num_tokens, num_heads, D]
   const T* k_cache;
   const T* v_cache;  // [num_blocks, block_size, num_kv_heads, D]
   const I* block_tables;  // [batch, max_blocks]
   const int64_t* q_start;  // [batch + 1]
   const int64_t* seq_lens;  // [batch]
   float scale;
-  T* out;  // [num_tokens, num_heads, D]
+  Q* out;  // [num_tokens, num_heads, D]
 
   // The cache row of key `pos` of sequence b, at kv head h.
   const T* cache_row(const T* cache, int64_t b, int64_t pos, int64_t h) const {
@@ -152,8 +154,8 @@ struct Prefill {
           pos(static_cast<size_t>(rows_pad)), low(static_cast<size_t>(rows_pad)) {}
   };
 
-  template <class M>
-  static typename M::Word word(const T* row, int64_t p) {  // word p of a cache / query row
+  template <class M, typename E>
+  static typename M::Word word(const E* row, int64_t p) {  // word p of a cache / query row
     if constexpr (M::W == 1) {
       return to_f32(row[p]);
     } else {
@@ -300,9 +302,9 @@ struct Prefill {
     const int64_t kstart = s.window > 0 ? std::max<int64_t>(0, pos0 - s.window + 1) : 0;
     Word* qt = reinterpret_cast<Word*>(w.qt.data());  // Q^T: [dw][rows_pad]
     // a query tile is `nq` runs of G * D contiguous elements (the group's heads)
-    const T* q = query + token_row(it, 0) * D;
+    const Q* q = query + token_row(it, 0) * D;
     const int64_t token_stride = s.num_heads * D;
-    if constexpr (sizeof(T) * M::W == sizeof(Word)) {  // rows are words already: transpose
+    if constexpr (sizeof(Q) * M::W == sizeof(Word)) {  // rows are words already: transpose
       for (int64_t r0 = 0; r0 < rows_pad; r0 += kLanes)
         for (int64_t p0 = 0; p0 < dw; p0 += kLanes) {
           const int64_t np = std::min<int64_t>(kLanes, dw - p0);
@@ -371,9 +373,9 @@ struct Prefill {
     }
   }
 
-  static void store_row(T* dst, __m512 v, int64_t n) {  // the first n lanes, rounded to T
+  static void store_row(Q* dst, __m512 v, int64_t n) {  // the first n lanes, rounded to Q
     const __mmask16 m = n == kLanes ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
-    if constexpr (std::is_same_v<T, float>) {
+    if constexpr (std::is_same_v<Q, float>) {
       _mm512_mask_storeu_ps(dst, m, v);
     } else {
 #ifdef PAGODA_PREFILL_BF16
@@ -390,7 +392,8 @@ struct Prefill {
     for_each(items, [&] { return Scratch(s, max_rows_pad); },
              [&](const Item& it, Scratch& w) {
 #ifdef PAGODA_PREFILL_BF16
-               if constexpr (std::is_same_v<T, uint16_t>) return run_item<Bf16Mode>(it, w);
+               // bf16 words need a bf16 query (an fp32 one over a bf16 cache: fp32 words)
+               if constexpr (std::is_same_v<Q, uint16_t>) return run_item<Bf16Mode>(it, w);
 #endif
                run_item<F32Mode>(it, w);
              });
@@ -511,7 +514,7 @@ struct Prefill {
     float* kt = w.kt.data();
     float* vp = w.vp.data();
     for (int64_t r = 0; r < rows; ++r) {
-      const T* src = query + token_row(it, r) * D;
+      const Q* src = query + token_row(it, r) * D;
 #pragma omp simd
       for (int64_t d = 0; d < D; ++d) q[r * D + d] = to_f32(src[d]);
     }
@@ -539,7 +542,7 @@ struct Prefill {
       }
     }
     for (int64_t r = 0; r < rows; ++r) {
-      T* dst = out + token_row(it, r) * D;
+      Q* dst = out + token_row(it, r) * D;
       const float l = w.l[r];
 #pragma omp simd
       for (int64_t d = 0; d < D; ++d) store(o[r * D + d] / l, dst + d);
@@ -555,7 +558,7 @@ struct Prefill {
     for (int64_t r = 0; r < it.nq * s.group; ++r) {
       const int64_t n = pos0 + r / s.group + 1;
       const int64_t t0 = s.window > 0 ? std::max<int64_t>(0, n - s.window) : 0;
-      const T* q = query + token_row(it, r) * D;
+      const Q* q = query + token_row(it, r) * D;
       float m = kNegInf;
       for (int64_t t = t0; t < n; ++t) {
         const T* k = cache_row(k_cache, it.seq, t, it.kv_head);
@@ -573,7 +576,7 @@ struct Prefill {
         sum += p;
         for (int64_t d = 0; d < D; ++d) acc[d] += p * to_f32(v[d]);
       }
-      T* dst = out + token_row(it, r) * D;
+      Q* dst = out + token_row(it, r) * D;
       for (int64_t d = 0; d < D; ++d) store(acc[d] / sum, dst + d);
     }
   }
@@ -647,7 +650,7 @@ std::vector<Item> plan_items(Shape& s, const I* tables, const std::vector<int64_
   return items;
 }
 
-template <typename T, typename I>
+template <typename Q, typename T, typename I>
 void prefill_typed(const Args& a) {
   Shape s{};
   s.batch = a.seq_lens.size(0);
@@ -665,15 +668,15 @@ void prefill_typed(const Args& a) {
   const I* tables = a.block_tables.data_ptr<I>();
   const std::vector<Item> items = plan_items(s, tables, starts, lens, a.k_cache.size(0));
   if (items.empty()) return;
-  const Prefill<T, I> pf{s,
-                         reinterpret_cast<const T*>(a.query.data_ptr()),
+  const Prefill<Q, T, I> pf{s,
+                         reinterpret_cast<const Q*>(a.query.data_ptr()),
                          reinterpret_cast<const T*>(a.k_cache.data_ptr()),
                          reinterpret_cast<const T*>(a.v_cache.data_ptr()),
                          tables,
                          starts.data(),
                          lens.data(),
                          static_cast<float>(a.scale),
-                         reinterpret_cast<T*>(a.out.data_ptr())};
+                         reinterpret_cast<Q*>(a.out.data_ptr())};
   const int64_t rows = s.tile_q * s.group;
 #ifdef PAGODA_PREFILL_AVX512
   pf.run(items, (rows + kRB - 1) / kRB * kRB);
@@ -683,7 +686,8 @@ void prefill_typed(const Args& a) {
 }
 
 // Shapes, dtypes and contiguity are checked by the Python wrapper: fp32 or bf16 query,
-// caches and out alike; int32 or int64 query_start_loc, seq_lens, block_tables (each its own).
+// caches and out alike, or fp32 query and out over bf16 caches; int32 or int64
+// query_start_loc, seq_lens, block_tables (each its own).
 void prefill(const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
              const at::Tensor& v_cache, const at::Tensor& query_start_loc,
              const at::Tensor& seq_lens, const at::Tensor& block_tables, double scale,
@@ -692,11 +696,19 @@ void prefill(const at::Tensor& out, const at::Tensor& query, const at::Tensor& k
   const Args a{out, query, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
                scale, window, softcap};
   const bool fp32 = query.scalar_type() == at::kFloat;
+  const bool bf16_cache = k_cache.scalar_type() == at::kBFloat16;
   const bool int32 = block_tables.scalar_type() == at::kInt;
-  if (fp32 && int32) prefill_typed<float, int32_t>(a);
-  else if (fp32) prefill_typed<float, int64_t>(a);
-  else if (int32) prefill_typed<uint16_t, int32_t>(a);
-  else prefill_typed<uint16_t, int64_t>(a);
+  if (fp32 && !bf16_cache) {
+    if (int32) prefill_typed<float, float, int32_t>(a);
+    else prefill_typed<float, float, int64_t>(a);
+  } else if (fp32) {
+    if (int32) prefill_typed<float, uint16_t, int32_t>(a);
+    else prefill_typed<float, uint16_t, int64_t>(a);
+  } else if (int32) {
+    prefill_typed<uint16_t, uint16_t, int32_t>(a);
+  } else {
+    prefill_typed<uint16_t, uint16_t, int64_t>(a);
+  }
 }
 
 bool uses_avx512() {

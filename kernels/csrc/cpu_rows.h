@@ -188,4 +188,25 @@ inline void write_kv_rows(char* k_cache, char* v_cache, const char* key, int64_t
   });
 }
 
+// write_kv_rows for fp32 rows into bf16 caches (an fp32 model's opt-in bf16 KV cache):
+// row t of key / value (row_elems fp32 each, ks / vs elements apart) rounded to nearest
+// even, as key.to(torch.bfloat16), into slot slots[t]; -1 skipped.
+inline void write_kv_rows_bf16(uint16_t* k_cache, uint16_t* v_cache, const float* key,
+                               int64_t ks, const float* value, int64_t vs,
+                               const int64_t* slots, int64_t tokens, int64_t row_elems) {
+  if (tokens == 0 || row_elems == 0) return;
+  at::parallel_for(0, tokens, std::max<int64_t>(1, kCopyGrainBytes / (6 * row_elems)),
+                   [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if (slots[t] < 0) continue;
+      uint16_t* kd = k_cache + slots[t] * row_elems;
+      uint16_t* vd = v_cache + slots[t] * row_elems;
+      const float* kr = key + t * ks;
+      const float* vr = value + t * vs;
+      for (int64_t i = 0; i < row_elems; ++i) kd[i] = bf16_bits(kr[i]);
+      for (int64_t i = 0; i < row_elems; ++i) vd[i] = bf16_bits(vr[i]);
+    }
+  });
+}
+
 }  // namespace pagoda_cpu_rows

@@ -74,6 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--hf-batch-sizes", default="1,8,16,32,64", help="1 = one request at a time")
     c.add_argument("--hf-dtypes", default="auto",
                    help="comma-separated; auto: float32 and the dtype pagoda computes in")
+    c.add_argument("--exact-match", type=int, default=None, metavar="N",
+                   help="offline mode: the first N requests' greedy tokens against HF "
+                        "transformers in the engine's dtype, one at a time; prints the "
+                        "exact-match rate (default 16 where --kv-cache-dtype changes the "
+                        "cache's dtype, else 0)")
     c.add_argument("--roofline", action="store_true",
                    help="measure FLOP/s and bandwidth on the engine's --device; print the fraction")
     c.add_argument("--output-json", default=None)
@@ -124,6 +129,28 @@ def engine_dtype(args: argparse.Namespace) -> str:
     return resolve_dtype_name(_settings(args).dtype, torch.device(engine_device(args)))
 
 
+def engine_kv_cache_dtype(args: argparse.Namespace) -> str:
+    """The KV cache's dtype as the worker resolves it."""
+    import torch
+
+    from services.worker.runner_builder import resolve_dtype, resolve_kv_cache_dtype
+
+    settings, device = _settings(args), torch.device(engine_device(args))
+    kv = resolve_kv_cache_dtype(settings.kv_cache_dtype, resolve_dtype(settings.dtype, device),
+                                device)
+    return str(kv).removeprefix("torch.")
+
+
+def exact_match_requests(args: argparse.Namespace, dtype: str) -> int:
+    """How many requests ``--exact-match`` compares (0: none): by default 16 where the KV
+    cache's dtype is not the model's (it changes tokens, so its rate is reported)."""
+    if args.exact_match is not None:
+        if args.exact_match < 0:
+            raise SystemExit("pagoda bench: --exact-match takes a count >= 0")
+        return args.exact_match
+    return 16 if engine_kv_cache_dtype(args) != dtype else 0
+
+
 def _hf_dtypes(args: argparse.Namespace, engine: str) -> tuple[str, ...]:
     if args.hf_dtypes == "auto":
         return tuple(dict.fromkeys(("float32", engine)))
@@ -165,6 +192,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     max_model_len = 0  # the offline engine's, which the vLLM baseline is given too
     model_dir = resolve_model(_settings(args).model)
     dtype = engine_dtype(args)
+    exact_n = exact_match_requests(args, dtype)
+    if exact_n and mode != "offline":
+        raise SystemExit("pagoda bench: --exact-match runs in offline mode; drop "
+                         "--launch/--url/--native")
+    exact_ours: list[list[int]] | None = None
     roofline_machine = None
     if args.roofline:  # measured first, on an idle machine
         from pagoda.bench.roofline import measure_machine
@@ -199,6 +231,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             bs1 = measure_bs1(llm, bs1_probe(work), BS1_OUTPUT)
             if args.roofline:
                 bs1_bandwidth.append(measure_read_bandwidth(engine_device(args)))
+        if exact_n:
+            from pagoda.bench.exact_match import pagoda_tokens
+
+            exact_ours = pagoda_tokens(llm, work, exact_n)
         max_model_len = llm.engine.max_model_len
         llm.close()
         gc.unfreeze()
@@ -224,6 +260,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         hf = run_hf_baseline(str(model_dir), work, [int(x) for x in args.hf_batch_sizes.split(",")],
                              progress, _hf_dtypes(args, dtype), device=engine_device(args))
+    exact = None
+    if exact_ours is not None:
+        from pagoda.bench.exact_match import compare, hf_tokens
+
+        exact = {**compare(exact_ours, hf_tokens(str(model_dir), work, len(exact_ours), dtype,
+                                                 engine_device(args), progress)),
+                 "oracle": f"HF transformers {dtype}, one at a time",
+                 "kv_cache_dtype": engine_kv_cache_dtype(args)}
     config = {
         "model": _settings(args).model, "model_dir": str(model_dir), "mode": mode,
         "launch": bool(args.launch), "num_requests": len(work),
@@ -232,9 +276,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "request_rate": args.request_rate if args.request_rate != float("inf") else None,
         "max_concurrency": args.max_concurrency, "engine": _engine_settings(args),
         "engine_dtype": dtype, "engine_device": engine_device(args),
+        "engine_kv_cache_dtype": engine_kv_cache_dtype(args),
     }
     report = build_report(config, records, scheduler, hf, vllm=vllm, bs1=bs1, cpu=cpu,
                           start_s=start_s)
+    report["exact_match"] = exact
     if online is not None:
         add_online(report, online[0], online[2], {"transport": "http", "frontends": args.frontends,
                                                   "max_concurrency": args.max_concurrency})

@@ -147,6 +147,12 @@ def format_text(report: dict[str, Any]) -> str:
                          + (f", start {_f(start)} s" if start is not None else ""))
         lines.append(f"  pagoda / vLLM output tok/s: {_f(vs['output_tok_s_ratio'], 2)}x; bs1 TTFT "
                      f"{_f(vs['bs1_ttft_ratio'], 2)}, TPOT {_f(vs['bs1_tpot_ratio'], 2)} (< 1 faster)")
+    e = report.get("exact_match")
+    if e is not None:
+        lines.append(f"  exact match vs {e['oracle']} (KV cache {e['kv_cache_dtype']}): "
+                     f"{e['exact']}/{e['requests']} requests whole ({_pct(e['exact_rate'])}), "
+                     f"{_pct(e['token_agreement'])} of output tokens before the first "
+                     f"difference")
     r = report["roofline"]
     if r is not None:
         lines.append(f"  machine: {r.get('matmul_dtype', 'float32')} matmul {r['matmul_flops'] / 1e9:.1f} GFLOP/s, memory read "

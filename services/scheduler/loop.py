@@ -88,7 +88,7 @@ class SchedulerLoop:
         self.router = RequestRouter()
         self.kv_events = sockets.kv_events  # None: not published
         self.info = EngineInfo(model_name=served_model_name(config),
-                               cache_dtype=config.engine.dtype)
+                               cache_dtype=config.engine.kv_cache_dtype)
         self.num_workers = config.engine.tensor_parallel_size
         self.step_timeout_s = config.process.step_timeout_s
         self.frontend_silence_s = FRONTEND_SILENCE_S  # tests shorten it

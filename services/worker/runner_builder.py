@@ -56,6 +56,7 @@ class RunnerSpec:
     num_kv_blocks: int | None = None
     max_model_len: int | None = None
     dtype: str = "auto"  # see resolve_dtype
+    kv_cache_dtype: str = "auto"  # see resolve_kv_cache_dtype
     device: str = "auto"  # auto: cuda if available, else cpu
     attention_backend: str = "auto"  # see services/worker/attention/selector.py
     max_num_seqs: int = 256  # the profiling step's sequences, the graphs' default bound
@@ -70,7 +71,7 @@ class RunnerSpec:
         return cls(
             block_size=engine.block_size, kv_cache_bytes=engine.kv_cache_bytes,
             num_kv_blocks=engine.num_kv_blocks, max_model_len=engine.max_model_len,
-            dtype=engine.dtype, device=engine.device, attention_backend=engine.attention_backend,
+            dtype=engine.dtype, kv_cache_dtype=engine.kv_cache_dtype, device=engine.device, attention_backend=engine.attention_backend,
             max_num_seqs=engine.max_num_seqs, max_num_batched_tokens=engine.max_num_batched_tokens,
             enforce_eager=engine.enforce_eager,
             cuda_graph_max_batch_size=engine.cuda_graph_max_batch_size,
@@ -134,6 +135,23 @@ def resolve_dtype_name(dtype: str, device: torch.device) -> str:
     return next(name for name, d in _DTYPES.items() if d == resolved)
 
 
+def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype,
+                           device: torch.device) -> torch.dtype:
+    """The KV cache's element type: ``auto``, the model's; ``bfloat16``, bf16 under a bf16
+    model (the same) and under a float32 one on the CPU, where the attention kernels read
+    bf16 K/V against fp32 queries (the Triton kernels read the cache in the model's dtype
+    only: refused on CUDA, as under fp16)."""
+    if kv_cache_dtype == "auto" or _DTYPES.get(kv_cache_dtype) == dtype:
+        return dtype
+    if kv_cache_dtype != "bfloat16":
+        raise ValueError(f"kv_cache_dtype must be auto or bfloat16, got {kv_cache_dtype!r}")
+    if dtype != torch.float32 or device.type != "cpu":
+        raise ValueError(f"--kv-cache-dtype bfloat16 under a {str(dtype).removeprefix('torch.')} "
+                         f"model runs on the CPU only (this worker runs on {device.type}); "
+                         "use --kv-cache-dtype auto")
+    return torch.bfloat16
+
+
 def build_runner(model_dir: Path, spec: RunnerSpec, tp: TensorParallel = SINGLE) -> BuiltRunner:
     """The runner of one rank (``tp``: its tensor-parallel group; the whole model alone)."""
     device = resolve_device(spec.device)
@@ -147,8 +165,12 @@ def build_runner(model_dir: Path, spec: RunnerSpec, tp: TensorParallel = SINGLE)
             torch.cuda.set_device(device)  # replays go to its streams
         baseline_used = cuda_used(device)  # before the weights: not the worker's
     dtype = resolve_dtype(spec.dtype, device)
+    kv_dtype = resolve_kv_cache_dtype(spec.kv_cache_dtype, dtype, device)
     log.info("computing in %s on %s%s", str(dtype).removeprefix("torch."), device,
              " (--dtype auto)" if spec.dtype == "auto" else "")
+    if kv_dtype != dtype:
+        log.info("KV cache in %s (--kv-cache-dtype): tokens may differ from the model's own "
+                 "dtype", str(kv_dtype).removeprefix("torch."))
     try:
         model = load_model(model_dir, dtype, device, max_position=None, tp=tp)
     except ShardingError as e:
@@ -164,14 +186,14 @@ def build_runner(model_dir: Path, spec: RunnerSpec, tp: TensorParallel = SINGLE)
     max_model_len = model_limits.max_model_len(model.config.hf_config, spec.max_model_len)
     attention = get_attention_backend(device, spec.attention_backend)
     graphs = _use_cuda_graphs(spec, device, tp, attention)
-    num_blocks = _num_blocks(model, spec, dtype, device)
+    num_blocks = _num_blocks(model, spec, kv_dtype, device)
     if num_blocks is None:  # CUDA, no size given: what the profiling step leaves
         num_blocks = _profiled_num_blocks(model, attention, spec, dtype, device, max_model_len,
                                           baseline_used,
                                           graph_reserve_bytes(spec.graph_max_batch_size,
                                                               model.config.vocab_size)
                                           if graphs else 0)
-    runner = ModelRunner(model, attention, num_blocks, spec.block_size, dtype, device)
+    runner = ModelRunner(model, attention, num_blocks, spec.block_size, kv_dtype, device)
     if graphs:
         _capture_graphs(runner, spec.graph_max_batch_size, max_model_len, device)
     return BuiltRunner(runner, model.config, max_model_len, num_blocks)

@@ -33,8 +33,9 @@ def test_offline_bench_writes_consistent_json_and_png(tiny_llama_dir: Path, tmp_
 
     report = json.loads(out_json.read_text())
     assert set(report) == {"config", "pagoda", "baseline_hf", "comparison", "baseline_vllm",
-                           "comparison_vllm", "roofline", "samples"}
+                           "comparison_vllm", "roofline", "samples", "exact_match"}
     assert report["baseline_vllm"] is None
+    assert report["exact_match"] is None  # the model's own KV dtype: not asked, not run
     bs1 = report["pagoda"]["bs1"]  # --roofline measures batch-1 latency against its floor
     assert bs1["ttft_s"] > 0 and bs1["tpot_s"] > 0
     assert report["config"]["mode"] == "offline" and report["config"]["max_concurrency"] == 3
@@ -81,6 +82,42 @@ def test_offline_bench_writes_consistent_json_and_png(tiny_llama_dir: Path, tmp_
     assert r["bs1_tpot_vs_weights_read"] == pytest.approx(bs1["tpot_s"] / r["bs1_weights_read_s"])
     assert "one read of the weights" in text
     assert report["samples"]["throughput_over_time"]["t_s"]
+
+
+def test_exact_match_against_hf_one_at_a_time(tiny_llama_dir: Path, tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """fp32 over the model's own cache is HF's greedy output exactly (the oracle agrees
+    with the engine where nothing changes tokens); a bf16 KV cache under fp32 turns the
+    check on by itself and reports its rate."""
+    out_json = tmp_path / "r.json"
+    common = ["bench", "--model", str(tiny_llama_dir), "--num-requests", "4", "--prompt-len",
+              "8,40", "--output-len", "fixed:24", "--dtype", "float32", "--no-progress",
+              "--output-json", str(out_json)]
+    assert pagoda_main([*common, "--exact-match", "3"]) == 0
+    e = json.loads(out_json.read_text())["exact_match"]
+    assert (e["requests"], e["exact"], e["exact_rate"], e["token_agreement"]) == (3, 3, 1.0, 1.0)
+    assert e["first_difference"] == [None] * 3 and e["kv_cache_dtype"] == "float32"
+    assert "exact match vs HF transformers float32" in capsys.readouterr().out
+
+    assert pagoda_main([*common, "--kv-cache-dtype", "bfloat16"]) == 0
+    report = json.loads(out_json.read_text())
+    e = report["exact_match"]
+    assert report["config"]["engine_kv_cache_dtype"] == "bfloat16"
+    assert e["requests"] == 4 and e["kv_cache_dtype"] == "bfloat16"  # default 16, 4 there are
+    assert 0 <= e["exact"] <= 4 and 0 < e["token_agreement"] <= 1
+    assert "(KV cache bfloat16)" in capsys.readouterr().out
+
+
+def test_exact_match_figures() -> None:
+    from pagoda.bench.exact_match import compare
+
+    got = compare([[1, 2, 3], [4, 5, 6], [7, 8]], [[1, 2, 3], [4, 9, 6], [0, 8]])
+    assert (got["exact"], got["requests"]) == (1, 3)
+    assert got["exact_rate"] == pytest.approx(1 / 3)
+    assert got["token_agreement"] == pytest.approx((3 + 1 + 0) / 8)
+    assert got["first_difference"] == [None, 1, 0]
+    with pytest.raises(ValueError):
+        compare([[1]], [])
 
 
 def test_vllm_baseline_without_its_environment_is_skipped_with_a_message(

@@ -176,6 +176,7 @@ def test_every_vllm_series_with_its_labels(stack: LiveStack) -> None:
             assert ("model_name", model_name) in labels and ("engine", "0") in labels, name
     (info, one), = [(dict(labels), v) for (name, labels), v in samples.items() if name == INFO]
     assert one == 1 and info["engine"] == "0" and info["enable_prefix_caching"] == "True"
+    assert info["cache_dtype"] == "auto"  # the --kv-cache-dtype setting, as vLLM labels it
     assert (info["block_size"], info["num_gpu_blocks"]) == (str(BLOCK_SIZE), str(NUM_KV_BLOCKS))
     reasons = {dict(labels)["finished_reason"] for name, labels in samples
                if name == "vllm:request_success_total"}

@@ -5,7 +5,8 @@ past a sequence's end shows as NaN; the reference gets the same cache with the N
 zeroed, as its padded gather would otherwise propagate them. Cases: fp32 and bf16,
 head_dim 32/64/128 (and 40, 256), block sizes 16/32, GQA groups 1/3/4, lengths 1, on
 and off block boundaries, shuffled block tables, int32/int64 indices, batch 1 and 17,
-split-K partitions (forced and heuristic, some empty), sliding windows (inside a block,
+split-K partitions (forced and heuristic, some empty), an fp32 query over bf16 caches
+(an fp32 model's bf16 KV cache), sliding windows (inside a block,
 across blocks, longer than short sequences) and attention soft caps, the AVX2 build
 (built on AVX-512 machines too) and the portable build (slow: a compile each).
 """
@@ -28,11 +29,13 @@ if not cpu_decode.available():
 def _inputs(
     seq_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
     dtype: torch.dtype, index_dtype: torch.dtype = torch.int32, seed: int = 0,
+    cache_dtype: torch.dtype | None = None,  # None: dtype
 ) -> tuple[torch.Tensor, ...]:  # query, k, v, tables, lens
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-n // block_size) for n in seq_lens) + 3
     tables = block_tables_for(seq_lens, block_size, num_blocks, gen)
-    k, v = paged_cache(seq_lens, tables, num_blocks, block_size, num_kv_heads, head_dim, dtype, gen)
+    k, v = paged_cache(seq_lens, tables, num_blocks, block_size, num_kv_heads, head_dim,
+                       cache_dtype or dtype, gen)
     query = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen).to(dtype)
     return query, k, v, tables.to(index_dtype), torch.tensor(seq_lens, dtype=index_dtype)
 
@@ -51,8 +54,10 @@ def _check(
     seq_lens: list[int], *shape: int, dtype: torch.dtype,
     index_dtype: torch.dtype = torch.int32, partition_size: int | None = None,
     window: int | None = None, softcap: float | None = None,
+    cache_dtype: torch.dtype | None = None,
 ) -> None:
-    query, k, v, tables, lens = _inputs(seq_lens, *shape, dtype, index_dtype)
+    query, k, v, tables, lens = _inputs(seq_lens, *shape, dtype, index_dtype,
+                                        cache_dtype=cache_dtype)
     scale = query.shape[-1] ** -0.5
     out = cpu_decode.paged_decode_attention(
         query, k, v, tables, lens, scale, partition_size=partition_size, window=window,
@@ -60,7 +65,7 @@ def _check(
     )
     assert out.dtype == dtype and out.shape == query.shape
     what = (f"lens={seq_lens} heads/kv/D/bs={shape} {index_dtype} partition={partition_size} "
-            f"window={window} softcap={softcap}")
+            f"window={window} softcap={softcap} cache={cache_dtype}")
     assert_close(out, _reference(query, k, v, tables, lens, window, softcap), dtype, what)
 
 
@@ -111,6 +116,21 @@ def test_window_and_softcap(dtype: torch.dtype, partition_size: int | None, wind
     lens = [1, 5, 16, 17, 40, 300, 1000]
     _check(lens, 9, 3, 64, 16, dtype=dtype, partition_size=partition_size, window=window,
            softcap=softcap)
+
+
+@pytest.mark.parametrize("head_dim", [40, 64, 128])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (9, 3)])
+@pytest.mark.parametrize("partition_size", [None, 16])
+def test_fp32_query_over_bf16_caches(head_dim: int, num_heads: int, num_kv_heads: int,
+                                     partition_size: int | None) -> None:
+    """An fp32 model's bf16 KV cache: the query stays fp32 (so do out and every sum), the
+    cache's values are what it reads; fp32 tolerances against the reference on the same
+    bf16 K/V widened."""
+    lens = [1, 16, 17, 100, 333]
+    _check(lens, num_heads, num_kv_heads, head_dim, 16, dtype=torch.float32,
+           cache_dtype=torch.bfloat16, partition_size=partition_size)
+    _check(lens, num_heads, num_kv_heads, head_dim, 16, dtype=torch.float32,
+           cache_dtype=torch.bfloat16, partition_size=partition_size, window=21, softcap=1.5)
 
 
 def test_window_reads_only_its_blocks() -> None:
@@ -179,6 +199,8 @@ def _bad_inputs() -> list[tuple[str, tuple]]:
     return [
         ("query dtype", (query.bfloat16(), k, v, tables, lens)),
         ("v dtype", (query, k, v.double(), tables, lens)),
+        ("k bf16, v fp32", (query, k.bfloat16(), v, tables, lens)),
+        ("fp32 caches under bf16", (query.bfloat16(), k, v, tables, lens)),
         ("fp16", (query.half(), k.half(), v.half(), tables, lens)),
         ("query ndim", (query[0], k, v, tables, lens)),
         ("cache ndim", (query, k[0], v[0], tables, lens)),
@@ -214,10 +236,13 @@ def test_failed_build_is_reported_once(
 
 
 def _check_build(ops: object, name: str, shapes: list[tuple[int, int, int, int]]) -> None:
-    """A variant build's op against the oracle, plain and with a window and soft cap."""
-    for dtype in (torch.float32, torch.bfloat16):
+    """A variant build's op against the oracle, plain and with a window and soft cap: fp32,
+    bf16, and an fp32 query over bf16 caches."""
+    for dtype, cache_dtype in ((torch.float32, None), (torch.bfloat16, None),
+                               (torch.float32, torch.bfloat16)):
         for shape in shapes:
-            query, k, v, tables, lens = _inputs([1, 31, 200], *shape, dtype)
+            query, k, v, tables, lens = _inputs([1, 31, 200], *shape, dtype,
+                                                cache_dtype=cache_dtype)
             out = torch.empty_like(query)
             ops.decode(out, query, k, v, tables, lens, shape[2] ** -0.5, 64)  # type: ignore[attr-defined]
             ref = _reference(query, k, v, tables, lens)

@@ -263,6 +263,32 @@ def test_write_kv_cache_other_layouts() -> None:
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
 
 
+@pytest.mark.parametrize("num_tokens", [1, 7, 300])
+def test_write_kv_cache_rounds_fp32_rows_into_bf16_caches(num_tokens: int) -> None:
+    """An fp32 model's bf16 KV cache: each row rounded to nearest even as torch's
+    ``.to(torch.bfloat16)`` (the reference's write), the special values included."""
+    gen = torch.Generator().manual_seed(num_tokens)
+    k, v, k_cache, v_cache, slots = _kv_inputs(num_tokens, 3, 64, torch.float32, 200, 16, gen)
+    k[0, 0, :5] = torch.tensor([float("inf"), -float("inf"), float("nan"), 1 + 2**-8, 3e38])
+    k_cache, v_cache = k_cache.bfloat16(), v_cache.bfloat16()
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    reference.write_kv_cache(k, v, k_ref, v_ref, slots)
+    cpu_fused.write_kv_cache(k, v, k_cache, v_cache, slots)
+    # exact, NaN where NaN (torch's own NaN bits differ between its conversion paths)
+    torch.testing.assert_close(k_cache, k_ref, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(v_cache, v_ref, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("key_dtype,cache_dtype", [(torch.bfloat16, torch.float32),
+                                                   (torch.float32, torch.float16)])
+def test_write_kv_cache_refuses_other_dtype_pairs(key_dtype: torch.dtype,
+                                                  cache_dtype: torch.dtype) -> None:
+    k_cache = v_cache = torch.zeros(4, 16, 2, 8, dtype=cache_dtype)
+    k = v = torch.ones(3, 2, 8, dtype=key_dtype)
+    with pytest.raises(ValueError, match="dtype"):
+        cpu_fused.write_kv_cache(k, v, k_cache, v_cache, torch.tensor([0, 1, 5]))
+
+
 @pytest.mark.parametrize("bad_slot", [-2, 64, 2**40])
 def test_write_kv_cache_bad_slot_writes_nothing(bad_slot: int) -> None:
     k_cache, v_cache = torch.zeros(4, 16, 2, 8), torch.zeros(4, 16, 2, 8)

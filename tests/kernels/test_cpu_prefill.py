@@ -6,7 +6,8 @@ sequence's end shows as NaN; the reference gets the cache with the NaN zeroed. C
 fp32 and bf16, head_dim 32/40/64/128/256, GQA groups 1/3/4, block sizes 16/32, plain
 prefill, cached context (chunked prefill) on and off block boundaries, query_len 1,
 ragged batches, shuffled block tables, int32/int64 indices, a ~1100-token sequence,
-sliding windows (shorter than a row block's span of positions, longer than a key chunk)
+an fp32 query over bf16 caches (an fp32 model's bf16 KV cache), sliding windows
+(shorter than a row block's span of positions, longer than a key chunk)
 and attention soft caps, bad inputs, the AVX-512 build without AVX512-BF16, the AVX2 build
 (built on AVX-512 machines too) and the portable build (slow: a compile each).
 """
@@ -31,12 +32,14 @@ Seqs = list[tuple[int, int]]  # (query_len, context_len) of each sequence
 def _inputs(
     seqs: Seqs, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
     dtype: torch.dtype, index_dtype: torch.dtype = torch.int32, seed: int = 0,
+    cache_dtype: torch.dtype | None = None,  # None: dtype
 ) -> tuple[torch.Tensor, ...]:  # query, k, v, query_start_loc, seq_lens, tables
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [q + c for q, c in seqs]
     num_blocks = sum(-(-n // block_size) for n in seq_lens) + 3
     tables = block_tables_for(seq_lens, block_size, num_blocks, gen)
-    k, v = paged_cache(seq_lens, tables, num_blocks, block_size, num_kv_heads, head_dim, dtype, gen)
+    k, v = paged_cache(seq_lens, tables, num_blocks, block_size, num_kv_heads, head_dim,
+                       cache_dtype or dtype, gen)
     starts = [0]
     for q, _ in seqs:
         starts.append(starts[-1] + q)
@@ -60,13 +63,16 @@ def _reference(
 def _check(
     seqs: Seqs, *shape: int, dtype: torch.dtype, index_dtype: torch.dtype = torch.int32,
     window: int | None = None, softcap: float | None = None,
+    cache_dtype: torch.dtype | None = None,
 ) -> None:
-    query, k, v, starts, lens, tables = _inputs(seqs, *shape, dtype, index_dtype)
+    query, k, v, starts, lens, tables = _inputs(seqs, *shape, dtype, index_dtype,
+                                                cache_dtype=cache_dtype)
     scale = query.shape[-1] ** -0.5
     out = cpu_prefill.paged_prefill_attention(query, k, v, starts, lens, tables, scale,
                                               window=window, softcap=softcap)
     assert out.dtype == dtype and out.shape == query.shape
-    what = f"seqs={seqs} heads/kv/D/bs={shape} {index_dtype} window={window} softcap={softcap}"
+    what = (f"seqs={seqs} heads/kv/D/bs={shape} {index_dtype} window={window} "
+            f"softcap={softcap} cache={cache_dtype}")
     ref = _reference(query, k, v, starts, lens, tables, scale, window, softcap)
     assert_close(out, ref, dtype, what)
 
@@ -122,6 +128,19 @@ def test_window_and_softcap(dtype: torch.dtype, window: int | None, softcap: flo
     _check(seqs, num_heads, num_kv_heads, 64, 16, dtype=dtype, window=window, softcap=softcap)
 
 
+@pytest.mark.parametrize("head_dim", [40, 64, 128])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(9, 3), (8, 2)])
+def test_fp32_query_over_bf16_caches(head_dim: int, num_heads: int, num_kv_heads: int) -> None:
+    """An fp32 model's bf16 KV cache: fp32 query, out and sums over the cache's bf16 K/V
+    (fp32 tolerances against the reference on the same values widened); prompts past a
+    key chunk, chunks over context, decode rows, and a window with a soft cap."""
+    seqs = [(1, 0), (31, 0), (60, 45), (150, 0), (1, 70), (70, 130)]
+    _check(seqs, num_heads, num_kv_heads, head_dim, 16, dtype=torch.float32,
+           cache_dtype=torch.bfloat16)
+    _check(seqs, num_heads, num_kv_heads, head_dim, 16, dtype=torch.float32,
+           cache_dtype=torch.bfloat16, window=20, softcap=2.0)
+
+
 def test_bad_window_or_softcap_raise_value_error() -> None:
     query, k, v, starts, lens, tables = _inputs([(4, 60)], 4, 2, 32, 16, torch.float32)
     for bad in ({"window": 0}, {"softcap": 0.0}):
@@ -162,6 +181,7 @@ def _bad_inputs() -> list[tuple[str, tuple]]:
     return [
         ("query dtype", (query.bfloat16(), k, v, starts, lens, tables)),
         ("v dtype", (query, k, v.double(), starts, lens, tables)),
+        ("k bf16, v fp32", (query, k.bfloat16(), v, starts, lens, tables)),
         ("fp16", (query.half(), k.half(), v.half(), starts, lens, tables)),
         ("query ndim", (query[0], k, v, starts, lens, tables)),
         ("cache ndim", (query, k[0], v[0], starts, lens, tables)),
@@ -212,10 +232,13 @@ def test_failed_build_is_reported_once(
 
 def _check_build(ops: object, name: str, seqs: Seqs,
                  shapes: list[tuple[int, int, int, int]]) -> None:
-    """A variant build's op against the oracle, plain and with a window and soft cap."""
-    for dtype in (torch.float32, torch.bfloat16):
+    """A variant build's op against the oracle, plain and with a window and soft cap: fp32,
+    bf16, and an fp32 query over bf16 caches."""
+    for dtype, cache_dtype in ((torch.float32, None), (torch.bfloat16, None),
+                               (torch.float32, torch.bfloat16)):
         for shape in shapes:
-            query, k, v, starts, lens, tables = _inputs(seqs, *shape, dtype)
+            query, k, v, starts, lens, tables = _inputs(seqs, *shape, dtype,
+                                                        cache_dtype=cache_dtype)
             out = torch.empty_like(query)
             scale = shape[2] ** -0.5
             ops.prefill(out, query, k, v, starts, lens, tables, scale)  # type: ignore[attr-defined]
@@ -264,10 +287,11 @@ def test_avx512_without_bf16_build() -> None:
     if not ops.uses_avx512():
         pytest.skip("no AVX-512 on this machine")
     assert not ops.uses_avx512_bf16()
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype, cache_dtype in ((torch.float32, None), (torch.bfloat16, None),
+                               (torch.float32, torch.bfloat16)):
         for shape in [(9, 3, 64, 16), (8, 2, 40, 32)]:
             query, k, v, starts, lens, tables = _inputs([(1, 0), (31, 0), (60, 45), (150, 0)],
-                                                        *shape, dtype)
+                                                        *shape, dtype, cache_dtype=cache_dtype)
             out = torch.empty_like(query)
             scale = shape[2] ** -0.5
             ops.prefill(out, query, k, v, starts, lens, tables, scale)

@@ -92,6 +92,7 @@ def test_local_endpoints_are_ipc_files_in_the_run_dir(tmp_path: Path) -> None:
         ({"PAGODA_KV_CACHE_BYTES": "4 parsecs"}, "PAGODA_KV_CACHE_BYTES"),
         ({"PAGODA_BLOCK_SIZE": "0"}, "block_size"),
         ({"PAGODA_DTYPE": "float8"}, "dtype"),
+        ({"PAGODA_KV_CACHE_DTYPE": "fp8"}, "PAGODA_KV_CACHE_DTYPE"),
         ({"PAGODA_DEVICE": "tpu"}, "device"),
         ({"PAGODA_HTTP_PORT": "70000"}, "http_port"),
         ({"PAGODA_SCHEDULER_STEP": "udp://x:1"}, "scheduler_step"),
@@ -169,6 +170,7 @@ def test_role_help_lists_every_setting_with_its_env_var(
     [
         ("rank", 0, "0", 0, 0),
         ("attention_backend", "cpu", "torch", "torch", "auto"),
+        ("kv_cache_dtype", "bfloat16", "auto", "auto", "auto"),
         ("testing", False, "1", True, False),
         ("cache_dir", "/flag/cache", "/env/cache", "/env/cache", "~/.cache/pagoda"),
         ("served_model_name", "smollm2", "my-model", "my-model", None),

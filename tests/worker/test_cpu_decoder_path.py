@@ -2,7 +2,8 @@
 kernels/cpu_decoder.py) against the Python layer loop it replaces.
 
 Oracle: the same model run by the Python loop (same kernels, same order), so every
-logit and KV-cache entry must be bit-identical, in fp32 and bf16, over prefills, mixed
+logit and KV-cache entry must be bit-identical, in fp32, bf16 and fp32 over a bf16 KV
+cache (``--kv-cache-dtype bfloat16``), over prefills, mixed
 steps (a chunked prefill beside decodes) and decode steps of ragged sequences; HF
 agreement itself is tests/worker/test_model_vs_hf.py's, whose production runner takes
 this path.
@@ -53,11 +54,14 @@ def count_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return seen
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype,kv_dtype", [(torch.float32, torch.float32),
+                                            (torch.bfloat16, torch.bfloat16),
+                                            (torch.float32, torch.bfloat16)],
+                         ids=["fp32", "bf16", "fp32-bf16kv"])
 @pytest.mark.parametrize("model_fixture", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir"])
 def test_steps_bit_identical_to_the_python_loop(
-    model_fixture: str, dtype: torch.dtype, request: pytest.FixtureRequest,
-    monkeypatch: pytest.MonkeyPatch,
+    model_fixture: str, dtype: torch.dtype, kv_dtype: torch.dtype,
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # qwen2: qkv biases, a tied head; qwen3: per-head q/k norms, head_dim 32 (not hidden /
     # heads)
@@ -67,7 +71,7 @@ def test_steps_bit_identical_to_the_python_loop(
         pytest.skip("the linears are not packed for cpu_gemm on this CPU (oneDNN: AMX bf16)")
     loop_model = packed_model(model_dir, dtype)
     assert loop_model.cpu_decoder_path is None
-    drivers = [PagedDriver(runner_for(m, dtype), seed=5) for m in (loop_model, fast_model)]
+    drivers = [PagedDriver(runner_for(m, kv_dtype), seed=5) for m in (loop_model, fast_model)]
     gen = torch.Generator().manual_seed(3)
     lengths = {"a": 5, "b": 23, "c": 40}
     for d in drivers:
@@ -88,6 +92,7 @@ def test_steps_bit_identical_to_the_python_loop(
     for rid in lengths:
         assert drivers[0].output(rid) == drivers[1].output(rid)
     for (k0, v0), (k1, v1) in zip(drivers[0].runner.kv_caches, drivers[1].runner.kv_caches):
+        assert k0.dtype == kv_dtype
         assert torch.equal(k0, k1) and torch.equal(v0, v1)  # the same cache writes
 
 

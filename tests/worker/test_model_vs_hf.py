@@ -73,6 +73,60 @@ def test_prefill_and_decode_logits_match_hf(model_fixture: str, packed: bool,
             assert_logits_close(logits[rid], ref[n - 1 + s], f"{model_fixture} {rid} step {s}")
 
 
+def bf16_rounding_cache(hf: torch.nn.Module) -> dict[str, object]:
+    """HF's DynamicCache with K/V rounded to bf16 as they enter it, as hf's forward takes
+    it: the oracle of an fp32 model over a bf16 KV cache, whose attention reads every key
+    (the fresh ones too) as the cache holds it."""
+    from transformers import DynamicCache
+
+    from pagoda.bench.exact_match import hf_cache
+
+    class Bf16KVCache(DynamicCache):
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor,  # type: ignore[override]
+                   layer_idx: int, *args: object, **kwargs: object) -> object:
+            return super().update(key_states.bfloat16().float(), value_states.bfloat16().float(),
+                                  layer_idx, *args, **kwargs)
+
+    return hf_cache(hf, Bf16KVCache)
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["production", "plain"])
+@pytest.mark.parametrize("model_fixture", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir"])
+def test_fp32_over_a_bf16_kv_cache_matches_hf_with_a_rounding_cache(
+        model_fixture: str, packed: bool, request: pytest.FixtureRequest) -> None:
+    """``--kv-cache-dtype bfloat16`` under an fp32 model: prefill and 16 decode steps
+    against HF fp32 whose cache rounds K/V to bf16, within the fp32 test's tolerance; plain
+    HF fp32 is many times further off (the rounding is really there)."""
+    model_dir = request.getfixturevalue(model_fixture)
+    runner = make_runner(model_dir, packed=packed)
+    runner = ModelRunner(runner.model, runner.backend, 256, 16, kv_dtype=torch.bfloat16)
+    assert runner.kv_caches[0][0].dtype == torch.bfloat16
+    gen = torch.Generator().manual_seed(7)
+    lengths = [3, 17, 40, 9]
+    driver = PagedDriver(runner, seed=11)
+    ids = [f"r{i}" for i in range(len(lengths))]
+    for rid, n in zip(ids, lengths):
+        driver.add(rid, torch.randint(0, runner.model.config.vocab_size, (n,),
+                                      generator=gen).tolist())
+    steps = [driver.prefill(ids)[1]]
+    for _ in range(16):
+        steps.append(driver.decode(ids)[1])
+    hf = load_hf(model_dir)
+    err_rounded = err_plain = 0.0
+    for rid, n in zip(ids, lengths):
+        seq = torch.tensor([driver.tokens[rid][:-1]])
+        with torch.no_grad():
+            ref = hf(seq, use_cache=True, **bf16_rounding_cache(hf)).logits[0].float()
+            plain = hf(seq).logits[0].float()
+        for s, logits in enumerate(steps):
+            want = ref[n - 1 + s]
+            assert_logits_close(logits[rid], want, f"{model_fixture} {rid} step {s}")
+            scale = float(want.max() - want.min())
+            err_rounded += float((logits[rid] - want).abs().mean()) / scale
+            err_plain += float((logits[rid] - plain[n - 1 + s]).abs().mean()) / scale
+    assert err_rounded < 0.1 * err_plain, (err_rounded, err_plain)
+
+
 def test_bfloat16_runner_is_as_close_to_fp32_as_hf_bfloat16(smollm2_dir: Path) -> None:
     """bf16 (``dtype=auto`` where it is the faster CPU dtype): weights, activations and KV cache
     in bf16, norms, rotary and softmax in fp32. Oracle: HF in fp32; the yardstick: HF's

@@ -1,4 +1,5 @@
-"""``runner_builder.resolve_dtype``: what ``--dtype auto`` computes in, by device and CPU.
+"""``runner_builder.resolve_dtype``: what ``--dtype auto`` computes in, by device and CPU;
+``resolve_kv_cache_dtype``: the KV cache's element type.
 
 The CPU's features and the linear kernel the engine would pick are faked, so every
 machine kind's choice is checked on whichever machine runs the tests."""
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from services.worker import runner_builder
-from services.worker.runner_builder import resolve_dtype
+from services.worker.runner_builder import resolve_dtype, resolve_kv_cache_dtype
 
 CPU = torch.device("cpu")
 
@@ -44,3 +45,22 @@ def test_an_explicit_dtype_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
     assert resolve_dtype("float32", CPU) == torch.float32
     _fake_cpu(monkeypatch, set(), "onednn")
     assert resolve_dtype("bfloat16", CPU) == torch.bfloat16
+
+
+@pytest.mark.parametrize(("setting", "dtype", "device", "want"), [
+    ("auto", torch.float32, "cpu", torch.float32),
+    ("auto", torch.bfloat16, "cuda", torch.bfloat16),
+    ("bfloat16", torch.float32, "cpu", torch.bfloat16),  # the opt-in: half the KV bytes
+    ("bfloat16", torch.bfloat16, "cpu", torch.bfloat16),
+    ("bfloat16", torch.bfloat16, "cuda", torch.bfloat16),  # the model's own: nothing changes
+])
+def test_kv_cache_dtype(setting: str, dtype: torch.dtype, device: str, want: torch.dtype) -> None:
+    assert resolve_kv_cache_dtype(setting, dtype, torch.device(device)) == want
+
+
+@pytest.mark.parametrize(("dtype", "device"), [(torch.float32, "cuda"), (torch.float16, "cuda"),
+                                               (torch.float16, "cpu")])
+def test_a_bf16_kv_cache_the_kernels_cannot_read_is_refused(dtype: torch.dtype,
+                                                            device: str) -> None:
+    with pytest.raises(ValueError, match="kv-cache-dtype bfloat16.*CPU only"):
+        resolve_kv_cache_dtype("bfloat16", dtype, torch.device(device))

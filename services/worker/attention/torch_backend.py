@@ -2,9 +2,10 @@
 
 Decodes go through one batched call over gathered K/V; each prefill goes through SDPA,
 on the fresh K/V when it has no cached context and on K/V gathered from the cache when
-it does (chunked prefill, prefix-cache hits). ``CpuAttentionBackend`` runs both through
-C++ kernels over the paged cache instead, no gather. Both honour a layer's sliding
-window (only the window's keys are gathered or read) and soft cap.
+it does (chunked prefill, prefix-cache hits); either way K/V are read as the cache holds
+them (a bf16 cache under an fp32 model: rounded). ``CpuAttentionBackend`` runs both
+through C++ kernels over the paged cache instead, no gather. Both honour a layer's
+sliding window (only the window's keys are gathered or read) and soft cap.
 """
 
 from __future__ import annotations
@@ -56,7 +57,10 @@ class TorchAttentionBackend(AttentionBackend):
             first = 0 if window is None else max(0, context_len - window + 1)
             if first >= context_len:  # the fresh K/V cover every key the queries see
                 fresh = start + first - context_len
-                k, v = key[fresh:end], value[fresh:end]
+                # as the cache holds them (a bf16 cache under fp32: rounded), so a prompt
+                # sees the keys its later chunks and decodes will read back
+                k = key[fresh:end].to(k_cache.dtype)
+                v = value[fresh:end].to(v_cache.dtype)
             else:
                 k = reference.gather_kv(k_cache, meta.block_tables[i], seq_len)[first:]
                 v = reference.gather_kv(v_cache, meta.block_tables[i], seq_len)[first:]
@@ -117,7 +121,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def _write_kv_cache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                         v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
-        if key.dtype == k_cache.dtype and cpu_fused.available():  # one pass, no sync
+        # one pass, no sync; into the rows' dtype, or bf16 under fp32
+        if k_cache.dtype in (key.dtype, torch.bfloat16) and cpu_fused.available():
             cpu_fused.write_kv_cache(key, value, k_cache, v_cache, meta.slot_mapping)
         else:
             super()._write_kv_cache(key, value, k_cache, v_cache, meta)

@@ -109,7 +109,7 @@ class CpuDecoderPath:
               kv_caches: list[KVCache], rope_plan: object) -> bool:
         """Whether this step runs through ``run``."""
         return (backend.name == "cpu" and rope_plan is None
-                and kv_caches[0][0].dtype == self.dtype)
+                and kv_caches[0][0].dtype in (self.dtype, torch.bfloat16))
 
     def run(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
             meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
