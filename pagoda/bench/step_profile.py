@@ -178,7 +178,8 @@ def run(settings: EngineSettings, batch: int, context: int, warmup: int, steps: 
             "model": settings.model, "model_dir": str(model_dir), "batch": batch,
             "context": context, "device": str(runner.device),
             "device_name": torch.cuda.get_device_name(runner.device) if on_cuda else "cpu",
-            "dtype": str(runner.kv_caches[0][0].dtype).removeprefix("torch."),
+            "dtype": str(runner.model.embed_tokens.weight.dtype).removeprefix("torch."),
+            "kv_cache_dtype": str(runner.kv_caches[0][0].dtype).removeprefix("torch."),
             "attention_backend": type(runner.backend).__name__, "block_size": runner.block_size,
             "warmup_steps": warmup, "timed_steps": steps, "profiled_steps": num_profiled,
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
@@ -196,8 +197,10 @@ def format_text(r: dict[str, Any]) -> str:
     def opt(value: float | None, fmt: str, scale: float = 1.0) -> str:
         return "-" if value is None else format(value * scale, fmt)
 
+    kv = c.get("kv_cache_dtype", c["dtype"])
     head = (f"decode step: batch {c['batch']}, context {c['context']}, {c['device_name']} "
-            f"{c['dtype']}, {c['attention_backend']}")
+            f"{c['dtype']}" + (f" (KV cache {kv})" if kv != c["dtype"] else "")
+            + f", {c['attention_backend']}")
     wall = (f"  wall per step   {w['median'] * 1e3:.3f} ms median "
             f"({w['min'] * 1e3:.3f}-{w['max'] * 1e3:.3f}), {r['output_tok_s']:.1f} output tok/s")
     ops = (f"  CPU ops         {r['cpu_ops_per_step']:.0f} per step "

@@ -39,6 +39,7 @@ def test_cpu_profile_reports_ops_and_wall_time_and_no_gpu_figures(
     assert "decode step: batch 3, context 24" in capsys.readouterr().out
     r = json.loads(out.read_text())
     assert r["config"]["device"] == "cpu" and r["config"]["dtype"] == "float32"
+    assert r["config"]["kv_cache_dtype"] == "float32"
     w = r["wall_s_per_step"]
     assert 0 < w["min"] <= w["median"] <= w["max"]
     assert r["output_tok_s"] == pytest.approx(3 / w["median"])
@@ -48,6 +49,12 @@ def test_cpu_profile_reports_ops_and_wall_time_and_no_gpu_figures(
                 "gpu_busy_share", "top_cuda_kernels"):
         assert r[key] is None, key
     top = r["top_cpu_ops"]
+    rc = step_profile.main(["--model", str(tiny_llama_dir), "--dtype", "float32",
+                            "--kv-cache-dtype", "bfloat16", "--batch", "2", "--context", "20",
+                            "--warmup", "1", "--steps", "1", "--profile-steps", "1",
+                            "--output-json", str(out)])
+    assert rc == 0 and "cpu float32 (KV cache bfloat16)" in capsys.readouterr().out
+    assert json.loads(out.read_text())["config"]["kv_cache_dtype"] == "bfloat16"
     assert 0 < len(top) <= 5
     assert [o["us_per_step"] for o in top] == sorted((o["us_per_step"] for o in top), reverse=True)
 
