@@ -47,26 +47,33 @@ def assert_pool_back(llm: LLM) -> None:
     assert stats.kv_usage == 0.0, f"blocks still held: usage {stats.kv_usage}"
 
 
-def test_preemption_gives_the_same_tokens(model_dir: Path) -> None:
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16"])
+def test_preemption_gives_the_same_tokens(model_dir: Path, kv_cache_dtype: str) -> None:
     prompts = random_prompts(64, 5, 60, seed=1)
     params = [SamplingParams(temperature=0.0, max_tokens=random.Random(i).randint(8, 40),
                              ignore_eos=True) for i in range(64)]
-    big = LLM(str(model_dir), dtype="float32", num_kv_blocks=2048)
+    big = LLM(str(model_dir), dtype="float32", num_kv_blocks=2048, kv_cache_dtype=kv_cache_dtype)
     assert big.engine.scheduler.config.strict_invariants  # PAGODA_TESTING=1
     expected = tokens(big.generate(prompts, params, use_tqdm=False))
-    small = LLM(str(model_dir), dtype="float32", num_kv_blocks=24, max_num_seqs=64)
+    small = LLM(str(model_dir), dtype="float32", num_kv_blocks=24, max_num_seqs=64,
+                kv_cache_dtype=kv_cache_dtype)
     got = tokens(small.generate(prompts, params, use_tqdm=False))
     assert small.stats().num_preemptions >= 10, "the small pool should preempt many times"
     assert got == expected
     assert_pool_back(small)
 
 
-def test_prefix_caching_hits_and_same_tokens(model_dir: Path) -> None:
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16"])
+def test_prefix_caching_hits_and_same_tokens(model_dir: Path, kv_cache_dtype: str) -> None:
+    # a bf16 KV cache under fp32 too: a hit reads the cached keys as a prompt reads its own
     system = random_prompts(1, 256, 256, seed=2)[0]
     prompts = [system + p for p in random_prompts(32, 4, 30, seed=3)]
-    off = LLM(str(model_dir), dtype="float32", enable_prefix_caching=False)
+    off = LLM(str(model_dir), dtype="float32", enable_prefix_caching=False,
+              kv_cache_dtype=kv_cache_dtype)
     expected = tokens(off.generate(prompts, GREEDY, use_tqdm=False))
-    on = LLM(str(model_dir), dtype="float32")
+    on = LLM(str(model_dir), dtype="float32", kv_cache_dtype=kv_cache_dtype)
+    want = "torch.bfloat16" if kv_cache_dtype == "bfloat16" else "torch.float32"
+    assert str(on.engine.runner.kv_caches[0][0].dtype) == want
     first = tokens(on.generate(prompts[:1], GREEDY, use_tqdm=False))
     before = on.stats().prefix_cache_hits
     rest = tokens(on.generate(prompts[1:], GREEDY, use_tqdm=False))

@@ -24,7 +24,8 @@ MODELS = ["tiny_llama_dir", "tiny_llama3_rope_dir", "tiny_qwen2_dir", "tiny_qwen
 
 
 def make_runner(model_dir: Path, num_blocks: int = 256, block_size: int = 16,
-                packed: bool = True, dtype: torch.dtype = torch.float32) -> ModelRunner:
+                packed: bool = True, dtype: torch.dtype = torch.float32,
+                kv_dtype: torch.dtype | None = None) -> ModelRunner:
     """The production CPU path packs the linears (cpu_gemm or oneDNN: layers/linear.py), runs
     the default CPU attention backend and fused kernels (the C++ kernels where they
     build; decode steps through models/cpu_decoder_path.py where it covers the model);
@@ -39,7 +40,7 @@ def make_runner(model_dir: Path, num_blocks: int = 256, block_size: int = 16,
             if hasattr(module, "fused"):
                 module.fused = False
     backend = get_attention_backend(torch.device("cpu"), None if packed else "torch")
-    return ModelRunner(model, backend, num_blocks, block_size, kv_dtype=dtype)
+    return ModelRunner(model, backend, num_blocks, block_size, kv_dtype=kv_dtype or dtype)
 
 
 def assert_logits_close(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
@@ -98,8 +99,7 @@ def test_fp32_over_a_bf16_kv_cache_matches_hf_with_a_rounding_cache(
     against HF fp32 whose cache rounds K/V to bf16, within the fp32 test's tolerance; plain
     HF fp32 is many times further off (the rounding is really there)."""
     model_dir = request.getfixturevalue(model_fixture)
-    runner = make_runner(model_dir, packed=packed)
-    runner = ModelRunner(runner.model, runner.backend, 256, 16, kv_dtype=torch.bfloat16)
+    runner = make_runner(model_dir, packed=packed, kv_dtype=torch.bfloat16)
     assert runner.kv_caches[0][0].dtype == torch.bfloat16
     gen = torch.Generator().manual_seed(7)
     lengths = [3, 17, 40, 9]
@@ -207,11 +207,15 @@ def test_greedy_batch_matches_hf_generate_alone(smollm2_dir: Path) -> None:
         assert ours[: len(expected)] == expected, f"prompt of {len(prompt)} tokens diverged"
 
 
+@pytest.mark.parametrize("kv_dtype", [None, torch.bfloat16], ids=["kv-auto", "kv-bf16"])
 @pytest.mark.parametrize("model_fixture", ["tiny_llama_dir", "smollm2_dir"])
-def test_prompt_in_three_chunks_matches_one_step(model_fixture: str, request: pytest.FixtureRequest) -> None:
+def test_prompt_in_three_chunks_matches_one_step(model_fixture: str, kv_dtype: torch.dtype | None,
+                                                 request: pytest.FixtureRequest) -> None:
+    """Also over a bf16 KV cache under fp32: the chunks' attention reads the earlier
+    chunks' keys as the cache holds them, and so does the whole prompt's."""
     model_dir = request.getfixturevalue(model_fixture)
     vocab_gen = torch.Generator().manual_seed(5)
-    runner = make_runner(model_dir)
+    runner = make_runner(model_dir, kv_dtype=kv_dtype)
     prompt = torch.randint(0, runner.model.config.vocab_size, (70,), generator=vocab_gen).tolist()
     side = torch.randint(0, runner.model.config.vocab_size, (9,), generator=vocab_gen).tolist()
 
@@ -219,7 +223,7 @@ def test_prompt_in_three_chunks_matches_one_step(model_fixture: str, request: py
     whole.add("a", prompt)
     _, one_step = whole.prefill(["a"])
 
-    chunked_runner = make_runner(model_dir)
+    chunked_runner = make_runner(model_dir, kv_dtype=kv_dtype)
     chunked = PagedDriver(chunked_runner, seed=2)
     chunked.add("a", prompt)
     chunked.add("side", side)
