@@ -145,10 +145,14 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype,
         return dtype
     if kv_cache_dtype != "bfloat16":
         raise ValueError(f"kv_cache_dtype must be auto or bfloat16, got {kv_cache_dtype!r}")
-    if dtype != torch.float32 or device.type != "cpu":
-        raise ValueError(f"--kv-cache-dtype bfloat16 under a {str(dtype).removeprefix('torch.')} "
-                         f"model runs on the CPU only (this worker runs on {device.type}); "
+    model = str(dtype).removeprefix("torch.")
+    if dtype != torch.float32:
+        raise ValueError(f"--kv-cache-dtype bfloat16 is for float32 models, not {model} ones; "
                          "use --kv-cache-dtype auto")
+    if device.type != "cpu":
+        raise ValueError(f"--kv-cache-dtype bfloat16 under a float32 model runs on the CPU only "
+                         f"(this worker runs on {device.type}: its attention kernels read the "
+                         "cache in the model's dtype); use --kv-cache-dtype auto")
     return torch.bfloat16
 
 
