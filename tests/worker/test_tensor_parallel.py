@@ -46,11 +46,14 @@ def qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("tp-qwen2"), "qwen2", seed=12)  # q/k/v bias
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_two_ranks_give_the_tokens_of_one(kind: str, llama_dir: Path, qwen2_dir: Path) -> None:
+@pytest.mark.parametrize("kind,kv_cache_dtype", [("llama", "auto"), ("qwen2", "auto"),
+                                                ("llama", "bfloat16")])
+def test_two_ranks_give_the_tokens_of_one(kind: str, kv_cache_dtype: str, llama_dir: Path,
+                                          qwen2_dir: Path) -> None:
+    # each rank's share of the KV heads in bf16 under fp32 too
     model_dir = llama_dir if kind == "llama" else qwen2_dir
-    one, _ = run(model_dir, 1)
-    two, stats = run(model_dir, 2)
+    one, _ = run(model_dir, 1, kv_cache_dtype=kv_cache_dtype)
+    two, stats = run(model_dir, 2, kv_cache_dtype=kv_cache_dtype)
     assert two == one
     assert all(len(t) == 64 for t in two)
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0  # type: ignore[attr-defined]
