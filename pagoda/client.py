@@ -346,19 +346,17 @@ class Client(_Base):
         while True:
             wait_ms = (None if deadline is None
                        else max(0, int((deadline - time.monotonic()) * 1000)))
-            if not self._sock.poll(wait_ms, zmq.POLLOUT):
-                raise RequestTimeoutError(
-                    f"request {rid} timed out: the frontend took no message", "timeout", rid)
-            try:
-                self._sock.send(frame, flags=zmq.NOBLOCK)
-                return
-            except zmq.Again:
-                # The pipe went between poll and send (a refused handshake drops the pipe
-                # each reconnect makes): wait for the next one, by the same deadline.
-                if wait_ms == 0:
-                    raise RequestTimeoutError(
-                        f"request {rid} timed out: the frontend took no message",
-                        "timeout", rid) from None
+            if self._sock.poll(wait_ms, zmq.POLLOUT):
+                try:
+                    self._sock.send(frame, flags=zmq.NOBLOCK)
+                    return
+                except zmq.Again:
+                    # the pipe went between poll and send (a refused handshake drops the
+                    # pipe each reconnect makes): wait for the next one, by the same deadline
+                    if wait_ms != 0:
+                        continue
+            raise RequestTimeoutError(f"request {rid} timed out: the frontend took no message",
+                                      "timeout", rid)
 
     def _next(self, rid: str, deadline: float | None) -> GenerateOutput | RequestError:
         buf = self._buffers[rid]

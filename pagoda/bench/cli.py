@@ -141,14 +141,14 @@ def engine_kv_cache_dtype(args: argparse.Namespace) -> str:
     return str(kv).removeprefix("torch.")
 
 
-def exact_match_requests(args: argparse.Namespace, dtype: str) -> int:
+def exact_match_requests(args: argparse.Namespace, dtype: str, kv_cache_dtype: str) -> int:
     """How many requests ``--exact-match`` compares (0: none): by default 16 where the KV
     cache's dtype is not the model's (it changes tokens, so its rate is reported)."""
     if args.exact_match is not None:
         if args.exact_match < 0:
             raise SystemExit("pagoda bench: --exact-match takes a count >= 0")
         return args.exact_match
-    return 16 if engine_kv_cache_dtype(args) != dtype else 0
+    return 16 if kv_cache_dtype != dtype else 0
 
 
 def _hf_dtypes(args: argparse.Namespace, engine: str) -> tuple[str, ...]:
@@ -191,8 +191,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     online: tuple[list[Any], dict[str, Any], dict[str, float | None] | None] | None = None
     max_model_len = 0  # the offline engine's, which the vLLM baseline is given too
     model_dir = resolve_model(_settings(args).model)
-    dtype = engine_dtype(args)
-    exact_n = exact_match_requests(args, dtype)
+    dtype, kv_cache_dtype = engine_dtype(args), engine_kv_cache_dtype(args)
+    exact_n = exact_match_requests(args, dtype, kv_cache_dtype)
     if exact_n and mode != "offline":
         raise SystemExit("pagoda bench: --exact-match runs in offline mode; drop "
                          "--launch/--url/--native")
@@ -267,7 +267,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         exact = {**compare(exact_ours, hf_tokens(str(model_dir), work, len(exact_ours), dtype,
                                                  engine_device(args), progress)),
                  "oracle": f"HF transformers {dtype}, one at a time",
-                 "kv_cache_dtype": engine_kv_cache_dtype(args)}
+                 "kv_cache_dtype": kv_cache_dtype}
     config = {
         "model": _settings(args).model, "model_dir": str(model_dir), "mode": mode,
         "launch": bool(args.launch), "num_requests": len(work),
@@ -276,7 +276,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "request_rate": args.request_rate if args.request_rate != float("inf") else None,
         "max_concurrency": args.max_concurrency, "engine": _engine_settings(args),
         "engine_dtype": dtype, "engine_device": engine_device(args),
-        "engine_kv_cache_dtype": engine_kv_cache_dtype(args),
+        "engine_kv_cache_dtype": kv_cache_dtype,
     }
     report = build_report(config, records, scheduler, hf, vllm=vllm, bs1=bs1, cpu=cpu,
                           start_s=start_s)

@@ -71,7 +71,8 @@ class RunnerSpec:
         return cls(
             block_size=engine.block_size, kv_cache_bytes=engine.kv_cache_bytes,
             num_kv_blocks=engine.num_kv_blocks, max_model_len=engine.max_model_len,
-            dtype=engine.dtype, kv_cache_dtype=engine.kv_cache_dtype, device=engine.device, attention_backend=engine.attention_backend,
+            dtype=engine.dtype, kv_cache_dtype=engine.kv_cache_dtype, device=engine.device,
+            attention_backend=engine.attention_backend,
             max_num_seqs=engine.max_num_seqs, max_num_batched_tokens=engine.max_num_batched_tokens,
             enforce_eager=engine.enforce_eager,
             cuda_graph_max_batch_size=engine.cuda_graph_max_batch_size,
