@@ -21,7 +21,9 @@ import json
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="offline mode: then serve the same requests through a launched stack "
                         "over HTTP (--frontends, --max-concurrency) and print online / offline "
                         "with the CPU seconds each process took")
+    m.add_argument("--online-rounds", type=int, default=1, metavar="N",
+                   help="with --online: N rounds of an offline and an online pass, in "
+                        "alternating order (both engines stay up; each round's prompts "
+                        "salted so no pass hits another's prefix cache); prints each "
+                        "round's online / offline and their geometric mean (CPU only)")
     a = p.add_argument_group("arrival")
     a.add_argument("--request-rate", type=float, default=float("inf"),
                    help="Poisson arrivals per second (seeded); inf = all at once")
@@ -93,6 +100,8 @@ def _mode(args: argparse.Namespace) -> str:
     if args.online and (args.launch or args.url or args.transport):
         raise SystemExit("pagoda bench: --online adds a launched HTTP run to an offline one; "
                          "drop --launch/--url/--transport")
+    if args.online_rounds != 1 and (not args.online or args.online_rounds < 1):
+        raise SystemExit("pagoda bench: --online-rounds takes a count >= 1 and needs --online")
     if args.launch or args.url:
         return args.transport or "http"
     if args.transport:
@@ -188,11 +197,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     bs1_bandwidth: list[float] = []  # read bandwidth just before and just after the bs1 probe
     start_s: float | None = None  # the offline engine's construction (model load, KV pool)
     cpu: dict[str, float | None] | None = None  # a launched run's CPU seconds by role
-    online: tuple[list[Any], dict[str, Any], dict[str, float | None] | None] | None = None
+    online: OnlineComparison | None = None
     max_model_len = 0  # the offline engine's, which the vLLM baseline is given too
     model_dir = resolve_model(_settings(args).model)
     dtype, kv_cache_dtype = engine_dtype(args), engine_kv_cache_dtype(args)
     exact_n = exact_match_requests(args, dtype, kv_cache_dtype)
+    if args.online_rounds > 1 and engine_device(args) != "cpu":
+        raise SystemExit("pagoda bench: --online-rounds > 1 keeps the offline engine and the "
+                         "launched stack up together, two KV pools; on a GPU each takes the "
+                         "device's memory: use --online-rounds 1")
     if exact_n and mode != "offline":
         raise SystemExit("pagoda bench: --exact-match runs in offline mode; drop "
                          "--launch/--url/--native")
@@ -235,13 +248,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             from pagoda.bench.exact_match import pagoda_tokens
 
             exact_ours = pagoda_tokens(llm, work, exact_n)
+        if args.online and args.online_rounds > 1:
+            online = _alternating_rounds(args, llm, work, str(model_dir), (records, scheduler),
+                                         progress)
         max_model_len = llm.engine.max_model_len
         llm.close()
         gc.unfreeze()
         del llm  # free its KV cache before the baseline loads another copy of the model
         _release_memory()
-        if args.online:  # the same requests through pagoda serve, after the offline run
-            online = _run_online(args, "http", str(model_dir), work, progress, launch=True)
+        if args.online and online is None:  # the same requests through pagoda serve
+            online_records, _, online_cpu = _run_online(args, "http", str(model_dir), work,
+                                                        progress, launch=True)
+            online = OnlineComparison(online_records, online_cpu)
     else:
         work = load_workload(args, model_dir, _tokenizer(model_dir))
         records, scheduler, cpu = _run_online(args, mode, str(model_dir), work, progress,
@@ -282,8 +300,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                           start_s=start_s)
     report["exact_match"] = exact
     if online is not None:
-        add_online(report, online[0], online[2], {"transport": "http", "frontends": args.frontends,
-                                                  "max_concurrency": args.max_concurrency})
+        add_online(report, online.records, online.cpu,
+                   {"transport": "http", "frontends": args.frontends,
+                    "max_concurrency": args.max_concurrency}, online.rounds)
     if roofline_machine is not None:
         from pagoda.bench.roofline import bs1_floor, ceiling, count_parameters, matmul_parameters
 
@@ -306,49 +325,116 @@ def _release_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def _run_online(args: argparse.Namespace, mode: str, model_dir: str, work: Workload,
-                progress: bool, *, launch: bool,
-                ) -> tuple[list[Any], dict[str, Any], dict[str, float | None] | None]:
-    """The records, the scheduler's figures and, for a launched stack, the CPU seconds
-    each role took during the run (None for a server run elsewhere)."""
+OnlinePass = tuple[list[Any], dict[str, Any], dict[str, float | None] | None]
+
+
+@dataclass(frozen=True)
+class OnlineComparison:
+    """``--online``: the first online pass (records, CPU seconds by role) and, with
+    ``--online-rounds``, every round's figures."""
+
+    records: list[Any]
+    cpu: dict[str, float | None] | None
+    rounds: list[dict[str, Any]] | None = None
+
+
+def _online_pass(args: argparse.Namespace, mode: str, work: Workload, progress: bool,
+                 url: str | None, native: tuple[str, ...], metrics_url: str | None,
+                 ) -> tuple[list[Any], dict[str, Any]]:
     from pagoda.bench.runner_online import HttpSender, ZmqSender, bench_online
 
-    def go(url: str | None, native: tuple[str, ...], metrics_url: str | None) -> Any:
-        def make() -> Any:
-            if mode == "zmq":
-                return ZmqSender(native)
-            return HttpSender(url or "http://127.0.0.1:8000/v1")
-        return asyncio.run(bench_online(make, work, metrics_url, args.request_rate,
-                                        args.max_concurrency, args.seed, progress, f"pagoda {mode}"))
+    def make() -> Any:
+        if mode == "zmq":
+            return ZmqSender(native)
+        return HttpSender(url or "http://127.0.0.1:8000/v1")
 
-    def go_beside_stack(*addresses: Any) -> Any:
-        # the client shares the stack's cores: it runs at the scheduler's and frontends'
-        # priority, below the worker's, in a thread of its own (a thread's nice value is its
-        # own on Linux, and this process's other work keeps its priority)
-        from shared.config import ProcessSettings
-        from shared.ipc import lower_cpu_priority
+    return asyncio.run(bench_online(make, work, metrics_url, args.request_rate,
+                                    args.max_concurrency, args.seed, progress, f"pagoda {mode}"))
 
-        def client() -> Any:
-            lower_cpu_priority(ProcessSettings().service_nice)  # the launched stack's default
-            return go(*addresses)
 
-        return _run_in_thread(client)
+@contextmanager
+def _launched_passes(args: argparse.Namespace, mode: str, model_dir: str,
+                     progress: bool) -> Iterator[Callable[[Workload], OnlinePass]]:
+    """A launched stack, up until the block ends, as a function that serves one workload
+    through it and returns that pass's records, scheduler figures and CPU seconds by role
+    (each pass's warm-up, two short requests, counts in it)."""
+    from pagoda.bench.cpu_usage import CpuMeter
+    from pagoda.bench.launch import launched_stack
+    from shared.config import ProcessSettings
+    from shared.ipc import lower_cpu_priority
 
-    if launch:
-        from pagoda.bench.cpu_usage import CpuMeter
-        from pagoda.bench.launch import launched_stack
+    with launched_stack(model_dir, args.frontends, _engine_settings(args)) as stack:
+        meter = CpuMeter(stack.pids)
 
-        with launched_stack(model_dir, args.frontends, _engine_settings(args)) as stack:
-            meter = CpuMeter(stack.pids)
-            meter.start()  # the warm-up counts too: it is two short requests
-            records, scheduler = go_beside_stack(stack.http_base, stack.native,
-                                                 args.metrics_url or stack.metrics_url)
+        def serve(work: Workload) -> OnlinePass:
+            # the client shares the stack's cores: it runs at the scheduler's and
+            # frontends' priority, below the worker's, in a thread of its own (a thread's
+            # nice value is its own on Linux, and this process's other work keeps its own)
+            def client() -> tuple[list[Any], dict[str, Any]]:
+                lower_cpu_priority(ProcessSettings().service_nice)  # the stack's default
+                return _online_pass(args, mode, work, progress, stack.http_base, stack.native,
+                                    args.metrics_url or stack.metrics_url)
+
+            meter.start()
+            records, scheduler = _run_in_thread(client)
             return records, scheduler, meter.stop()
+
+        yield serve
+
+
+def _run_online(args: argparse.Namespace, mode: str, model_dir: str, work: Workload,
+                progress: bool, *, launch: bool) -> OnlinePass:
+    """The records, the scheduler's figures and, for a launched stack, the CPU seconds
+    each role took during the run (None for a server run elsewhere)."""
+    if launch:
+        with _launched_passes(args, mode, model_dir, progress) as serve:
+            return serve(work)
     metrics = args.metrics_url
     if metrics is None and args.url:
         metrics = args.url.rstrip("/").removesuffix("/v1") + "/metrics"
-    records, scheduler = go(args.url, tuple(args.native or ()), metrics)
+    records, scheduler = _online_pass(args, mode, work, progress, args.url,
+                                      tuple(args.native or ()), metrics)
     return records, scheduler, None
+
+
+def _alternating_rounds(args: argparse.Namespace, llm: Any, work: Workload, model_dir: str,
+                        first_offline: tuple[list[Any], dict[str, Any]],
+                        progress: bool) -> OnlineComparison:
+    """``--online-rounds N``: the offline pass already run, then the online one, then
+    N - 1 more rounds of the two in alternating order (online first in odd rounds), so
+    that a machine whose speed drifts over minutes weighs on both sides alike. Round r
+    serves the workload salted by r in both engines (Workload.salted), which stay up."""
+    from pagoda.bench.runner_offline import run_offline
+    from pagoda.bench.stats import summarize
+
+    vocab_size = llm.engine.model_config.vocab_size
+
+    def offline(w: Workload) -> tuple[list[Any], dict[str, Any]]:
+        return run_offline(llm, w, args.request_rate, args.max_concurrency, args.seed, progress)
+
+    rounds: list[dict[str, Any]] = []
+
+    def add(off: tuple[list[Any], dict[str, Any]], on: OnlinePass, online_first: bool) -> None:
+        off_tok_s = summarize(off[0])["output_tok_s"]
+        on_tok_s = summarize(on[0])["output_tok_s"]
+        rounds.append({"offline_output_tok_s": off_tok_s, "online_output_tok_s": on_tok_s,
+                       "output_tok_s_ratio": on_tok_s / off_tok_s if off_tok_s else None,
+                       "online_first": online_first, "online_cpu_s": on[2],
+                       "offline_prefix_cache_hits": off[1]["prefix_cache_hits"],
+                       "online_prefix_cache_hits": on[1]["prefix_cache_hits"]})
+
+    with _launched_passes(args, "http", model_dir, progress) as serve:
+        first = serve(work)
+        add(first_offline, first, False)
+        for r in range(1, args.online_rounds):
+            salted = work.salted(r, vocab_size)
+            if r % 2:
+                on = serve(salted)
+                add(offline(salted), on, True)
+            else:
+                off = offline(salted)
+                add(off, serve(salted), False)
+    return OnlineComparison(first[0], first[2], rounds)
 
 
 def _run_in_thread(fn: Callable[[], Any]) -> Any:

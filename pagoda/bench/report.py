@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -62,13 +63,20 @@ def build_report(config: dict[str, Any], records: list[RequestRecord], scheduler
 
 
 def add_online(report: dict[str, Any], records: list[RequestRecord],
-               cpu: dict[str, float | None] | None, setup: dict[str, Any]) -> None:
+               cpu: dict[str, float | None] | None, setup: dict[str, Any],
+               rounds: list[dict[str, Any]] | None = None) -> None:
     """Adds the same requests served online (``--online``) beside the offline run: its
-    figures, the CPU seconds by role, and online / offline output throughput."""
+    figures, the CPU seconds by role, and online / offline output throughput. With
+    ``rounds`` (``--online-rounds``: each an offline and an online pass, the first being
+    the report's own) the ratio is the geometric mean of the rounds' ratios."""
     online = {**summarize(records), "cpu_s": cpu, **setup}
     report["online"] = online
-    report["comparison_online"] = {
-        "output_tok_s_ratio": _ratio(online["output_tok_s"], report["pagoda"]["output_tok_s"])}
+    ratio = _ratio(online["output_tok_s"], report["pagoda"]["output_tok_s"])
+    if rounds:
+        ratios = [r["output_tok_s_ratio"] for r in rounds]
+        ratio = (math.exp(statistics.fmean(map(math.log, ratios)))
+                 if all(r is not None and r > 0 for r in ratios) else None)
+    report["comparison_online"] = {"output_tok_s_ratio": ratio, "rounds": rounds}
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -119,8 +127,16 @@ def format_text(report: dict[str, Any]) -> str:
                      f"{o['max_concurrency'] or 'unlimited'}): output {_f(o['output_tok_s'])} "
                      f"tok/s ({o['num_failed']} failed), TTFT p50 "
                      f"{_f(_ms(o['ttft_s']['p50']))} ms, TPOT p50 {_f(_ms(o['tpot_s']['p50']))} ms")
+        cmp_online = report["comparison_online"]
         lines.append(f"  online / offline output tok/s: "
-                     f"{_f(report['comparison_online']['output_tok_s_ratio'], 3)}x")
+                     f"{_f(cmp_online['output_tok_s_ratio'], 3)}x")
+        if cmp_online.get("rounds"):
+            rounds = cmp_online["rounds"]
+            lines[-1] += f", geometric mean of {len(rounds)} rounds in alternating order:"
+            lines += [f"    round {i}: offline {_f(r['offline_output_tok_s'])}, online "
+                      f"{_f(r['online_output_tok_s'])} tok/s ("
+                      f"{'online' if r['online_first'] else 'offline'} first): "
+                      f"{_f(r['output_tok_s_ratio'], 3)}x" for i, r in enumerate(rounds)]
         if o.get("cpu_s"):
             lines.append("  online " + _cpu_text(o["cpu_s"]))
     hf, cmp = report["baseline_hf"], report["comparison"]

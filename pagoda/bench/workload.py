@@ -53,6 +53,16 @@ class Workload:
     def head(self, num: int) -> Workload:
         return Workload(self.prompts[:num], self.output_lens[:num])
 
+    def salted(self, salt: int, vocab_size: int) -> Workload:
+        """The same lengths with each prompt's first token moved ``salt`` ids along: an
+        engine that served this workload finds no cached prefix of the salted one (every
+        block hash chains from the first block), while a step costs the same (its work
+        does not depend on the token values)."""
+        if not 0 <= salt < vocab_size:
+            raise ValueError(f"salt must be in [0, {vocab_size}), got {salt}")
+        prompts = [[(p[0] + salt) % vocab_size, *p[1:]] if p else [] for p in self.prompts]
+        return Workload(prompts, list(self.output_lens))
+
 
 @dataclass(frozen=True)
 class LengthDist:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from pathlib import Path
 
 import httpx
@@ -236,6 +237,43 @@ def test_online_beside_offline_serves_the_same_requests(tiny_smollm_dir: Path, t
     assert all(cpu[role] >= 0 for role in ("scheduler", "frontends"))
     assert cpu["worker"] > 0 and cpu["client"] > 0
     assert p["cpu_s"] is None  # the offline run is one process: nothing to split
+
+
+def test_online_rounds_alternate_and_never_hit_a_cached_prefix(
+        tiny_smollm_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--online-rounds 3``: offline/online, online/offline, offline/online with both
+    engines up; every pass of every round computes all its prompt tokens (each round's
+    prompts are salted, so neither engine finds an earlier round's blocks), and the
+    headline ratio is the rounds' geometric mean."""
+    out_json = tmp_path / "r.json"
+    rc = pagoda_main(["bench", "--model", str(tiny_smollm_dir), "--num-requests", "4",
+                      "--prompt-len", "40,60", "--output-len", "fixed:3", "--online",
+                      "--online-rounds", "3", "--max-concurrency", "4", "--dtype", "float32",
+                      "--output-json", str(out_json), "--no-progress"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "geometric mean of 3 rounds" in text and "round 2:" in text
+    report = json.loads(out_json.read_text())
+    rounds = report["comparison_online"]["rounds"]
+    assert [r["online_first"] for r in rounds] == [False, True, False]
+    for r in rounds:
+        assert r["offline_output_tok_s"] > 0 and r["online_output_tok_s"] > 0
+        assert r["output_tok_s_ratio"] == pytest.approx(
+            r["online_output_tok_s"] / r["offline_output_tok_s"])
+        assert r["offline_prefix_cache_hits"] == 0 and r["online_prefix_cache_hits"] == 0
+        assert r["online_cpu_s"]["worker"] > 0
+    assert rounds[0]["offline_output_tok_s"] == pytest.approx(report["pagoda"]["output_tok_s"])
+    assert rounds[0]["online_output_tok_s"] == pytest.approx(report["online"]["output_tok_s"])
+    ratios = [r["output_tok_s_ratio"] for r in rounds]
+    assert report["comparison_online"]["output_tok_s_ratio"] == pytest.approx(
+        math.prod(ratios) ** (1 / 3))
+
+
+def test_online_rounds_need_online_and_a_positive_count() -> None:
+    with pytest.raises(SystemExit, match="--online-rounds"):
+        pagoda_main(["bench", "--online-rounds", "2", "--no-progress"])
+    with pytest.raises(SystemExit, match="--online-rounds"):
+        pagoda_main(["bench", "--online", "--online-rounds", "0", "--no-progress"])
 
 
 def test_online_with_launch_is_refused() -> None:

@@ -9,6 +9,7 @@ import pytest
 
 from pagoda.bench.workload import (
     LengthDist,
+    Workload,
     arrival_times,
     corpus_text,
     load_jsonl,
@@ -66,6 +67,16 @@ def test_no_tokenizer_gives_random_ids_in_vocab() -> None:
     assert work == make_workload(None, 8, (10, 20), (3, 3), seed=0, vocab_size=50)
     with pytest.raises(ValueError):
         make_workload(None, 8, (10, 20), (3, 3))
+
+
+def test_salted_workload_differs_only_in_each_first_token() -> None:
+    work = Workload([[5, 6, 7], [9], [99, 1]], [3, 1, 2])
+    salted = work.salted(3, vocab_size=100)
+    assert salted.prompts == [[8, 6, 7], [12], [2, 1]]  # wraps inside the vocabulary
+    assert salted.output_lens == work.output_lens and work.prompts[0] == [5, 6, 7]
+    assert work.salted(0, 100) == work
+    with pytest.raises(ValueError, match="salt"):
+        work.salted(100, 100)
 
 
 def test_arrival_times() -> None:
