@@ -18,7 +18,8 @@ from kernels.cpu_attention_checks import check_buffers, check_heads, window_and_
 from kernels.cpu_extension import CSRC, SCALAR_HEADER, LazyExtension, build_extension
 
 _SOURCE = CSRC / "cpu_prefill.cpp"
-_HEADERS = [CSRC / "cpu_prefill_tiles.h", CSRC / "cpu_softmax_avx2.h", SCALAR_HEADER]
+_HEADERS = [CSRC / "cpu_attention_types.h", CSRC / "cpu_prefill_tiles.h", CSRC / "cpu_softmax_avx2.h",
+            SCALAR_HEADER]
 OP_NAMESPACE = "pagoda_cpu_prefill"  # the source's default PAGODA_OP_NS
 
 

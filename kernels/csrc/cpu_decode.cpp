@@ -27,6 +27,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_attention_types.h"
 #include "cpu_decode_blocks.h"
 #include "cpu_softmax_avx2.h"
 
@@ -372,20 +373,10 @@ void decode(const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_
                                                  : seq_lens.data_ptr<int64_t>()[b];
   const Args a{out, query, k_cache, v_cache, block_tables, seq_lens,
                scale, partition_size, window, softcap};
-  const bool fp32 = query.scalar_type() == at::kFloat;
-  const bool bf16_cache = k_cache.scalar_type() == at::kBFloat16;
-  const bool int32 = block_tables.scalar_type() == at::kInt;
-  if (fp32 && !bf16_cache) {
-    if (int32) decode_typed<float, float, int32_t>(a, lens);
-    else decode_typed<float, float, int64_t>(a, lens);
-  } else if (fp32) {
-    if (int32) decode_typed<float, uint16_t, int32_t>(a, lens);
-    else decode_typed<float, uint16_t, int64_t>(a, lens);
-  } else if (int32) {
-    decode_typed<uint16_t, uint16_t, int32_t>(a, lens);
-  } else {
-    decode_typed<uint16_t, uint16_t, int64_t>(a, lens);
-  }
+  pagoda_cpu_attention::with_attention_types(query, k_cache, block_tables,
+                                             [&](auto q, auto t, auto i) {
+    decode_typed<decltype(q), decltype(t), decltype(i)>(a, lens);
+  });
 }
 
 bool uses_avx512() {

@@ -96,6 +96,7 @@ struct RowInputs {
   std::vector<Tensor> input_norm, post_norm;
   std::vector<std::optional<Tensor>> q_norm, k_norm;
   Tensor positions, cos, sin, slots;
+  bool bf16_cache = false;  // bf16 caches under fp32 rows: the K/V rows are rounded as written
 };
 
 Tensor dense(const Tensor& t) { return t.is_contiguous() ? t : t.contiguous(); }
@@ -147,6 +148,9 @@ RowInputs check_rows(const Tensor& hidden, const Tensor& positions, at::TensorLi
   // the caches and the slots (cpu_fused's write_kv_cache), every layer's before any write
   check_slot_mapping(slot_mapping, T);
   int64_t num_slots = std::numeric_limits<int64_t>::max();
+  // the hidden dtype, or bf16 under fp32 (an fp32 model's bf16 KV cache), as layer 0's
+  const auto cache_dtype = L > 0 ? k_caches[0].scalar_type() : dtype;
+  in.bf16_cache = cache_dtype != dtype;
   for (int64_t l = 0; l < L; ++l) {
     const Tensor &k = k_caches[l], &v = v_caches[l];
     check_cpu(k, "k_cache");
@@ -156,8 +160,6 @@ RowInputs check_rows(const Tensor& hidden, const Tensor& positions, at::TensorLi
                       "layer ", l, ": k_cache and v_cache must be [num_blocks, block_size, ",
                       d.num_kv_heads, ", ", d.head_dim, "], got ", k.sizes(), " and ",
                       v.sizes());
-    // the hidden dtype, or bf16 under fp32 (an fp32 model's bf16 KV cache), as layer 0's
-    const auto cache_dtype = k_caches[0].scalar_type();
     TORCH_CHECK_VALUE((cache_dtype == dtype || cache_dtype == at::kBFloat16) &&
                           k.scalar_type() == cache_dtype && v.scalar_type() == cache_dtype,
                       "layer ", l, ": k_cache and v_cache must be ", dtype,
@@ -277,8 +279,6 @@ std::tuple<Tensor, Tensor> decode_layers(
     // goes to `residual`, updated in place from then on
     const E* stream = cptr<E>(hidden0);
     Tensor hidden = hidden0;
-    const int64_t kv_row_bytes = kv_size * static_cast<int64_t>(sizeof(E));
-    const bool bf16_cache = sizeof(E) == 4 && k_caches[0].scalar_type() == at::kBFloat16;
     for (int64_t l = 0; l < L; ++l) {
       pagoda_cpu_rows::rms_norm_rows<E>(mut<E>(normed), res, cptr<E>(hidden), RowLayout{1, H},
                                      l == 0 ? nullptr : stream, cptr<E>(in.input_norm[l]), T, H,
@@ -304,18 +304,10 @@ std::tuple<Tensor, Tensor> decode_layers(
       pagoda_cpu_rows::rotary_rows(mut<E>(q_rot), mut<E>(k_rot), q, qs, k, ks, T, d.num_heads,
                                    d.num_kv_heads, d.head_dim, cptr<P>(in.positions),
                                    cptr<float>(in.cos), cptr<float>(in.sin));
-      if (bf16_cache)
-        pagoda_cpu_rows::write_kv_rows_bf16(
-            mut<uint16_t>(k_caches[l]), mut<uint16_t>(v_caches[l]),
-            reinterpret_cast<const float*>(cptr<E>(k_rot)), kv_size,
-            reinterpret_cast<const float*>(v), d.qkv_n, cptr<int64_t>(in.slots), T, kv_size);
-      else
-        pagoda_cpu_rows::write_kv_rows(
-            static_cast<char*>(k_caches[l].mutable_data_ptr()),
-            static_cast<char*>(v_caches[l].mutable_data_ptr()),
-            reinterpret_cast<const char*>(cptr<E>(k_rot)), kv_row_bytes,
-            reinterpret_cast<const char*>(v), d.qkv_n * static_cast<int64_t>(sizeof(E)),
-            cptr<int64_t>(in.slots), T, kv_row_bytes);
+      pagoda_cpu_rows::write_kv_rows_as(k_caches[l].mutable_data_ptr(),
+                                        v_caches[l].mutable_data_ptr(), in.bf16_cache,
+                                        cptr<E>(k_rot), kv_size, v, d.qkv_n,
+                                        cptr<int64_t>(in.slots), T, kv_size);
       if (views.dec_out.defined())
         ops.decode.call(views.dec_out, views.dec_q, k_caches[l], v_caches[l], views.dec_tables,
                         views.dec_lens, scale, 0, 0, 0.0);

@@ -230,20 +230,13 @@ void write_kv_cache(const at::Tensor& key_in, const at::Tensor& value_in, const 
   const at::Tensor slots = slot_mapping_in.contiguous();
   const int64_t* sp = ptr<int64_t>(slots);
   pagoda_cpu_rows::check_slots(sp, tokens, k_cache.size(0) * k_cache.size(1));
-  if (cache_dtype != dtype) {
-    pagoda_cpu_rows::write_kv_rows_bf16(
-        static_cast<uint16_t*>(k_cache.mutable_data_ptr()),
-        static_cast<uint16_t*>(v_cache.mutable_data_ptr()), ptr<float>(key), key.stride(0),
-        ptr<float>(value), value.stride(0), sp, tokens, key.size(1) * key.size(2));
-    return;
-  }
-  const int64_t row_bytes = key.size(1) * key.size(2) * key.element_size();
-  pagoda_cpu_rows::write_kv_rows(static_cast<char*>(k_cache.mutable_data_ptr()),
-                                 static_cast<char*>(v_cache.mutable_data_ptr()),
-                                 static_cast<const char*>(key.const_data_ptr()),
-                                 key.stride(0) * key.element_size(),
-                                 static_cast<const char*>(value.const_data_ptr()),
-                                 value.stride(0) * value.element_size(), sp, tokens, row_bytes);
+  dispatch_dtype(key, "key", [&](auto element) {
+    using E = decltype(element);
+    pagoda_cpu_rows::write_kv_rows_as(k_cache.mutable_data_ptr(), v_cache.mutable_data_ptr(),
+                                      cache_dtype != dtype, ptr<E>(key), key.stride(0),
+                                      ptr<E>(value), value.stride(0), sp, tokens,
+                                      key.size(1) * key.size(2));
+  });
 }
 
 // out[r] = torch.argmax(x[r]) for a [R, V] fp32 or bf16 tensor with unit stride along V:

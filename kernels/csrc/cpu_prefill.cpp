@@ -45,6 +45,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_attention_types.h"
 #include "cpu_prefill_tiles.h"
 #include "cpu_scalar.h"
 #include "cpu_softmax_avx2.h"
@@ -695,20 +696,10 @@ void prefill(const at::Tensor& out, const at::Tensor& query, const at::Tensor& k
   if (seq_lens.size(0) == 0 || query.size(0) == 0) return;
   const Args a{out, query, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
                scale, window, softcap};
-  const bool fp32 = query.scalar_type() == at::kFloat;
-  const bool bf16_cache = k_cache.scalar_type() == at::kBFloat16;
-  const bool int32 = block_tables.scalar_type() == at::kInt;
-  if (fp32 && !bf16_cache) {
-    if (int32) prefill_typed<float, float, int32_t>(a);
-    else prefill_typed<float, float, int64_t>(a);
-  } else if (fp32) {
-    if (int32) prefill_typed<float, uint16_t, int32_t>(a);
-    else prefill_typed<float, uint16_t, int64_t>(a);
-  } else if (int32) {
-    prefill_typed<uint16_t, uint16_t, int32_t>(a);
-  } else {
-    prefill_typed<uint16_t, uint16_t, int64_t>(a);
-  }
+  pagoda_cpu_attention::with_attention_types(query, k_cache, block_tables,
+                                             [&](auto q, auto t, auto i) {
+    prefill_typed<decltype(q), decltype(t), decltype(i)>(a);
+  });
 }
 
 bool uses_avx512() {

@@ -209,4 +209,27 @@ inline void write_kv_rows_bf16(uint16_t* k_cache, uint16_t* v_cache, const float
   });
 }
 
+// The cache write of both callers (cpu_fused's write_kv_cache, the one-call decoder's
+// layer loop): rows of E (float, or uint16_t bf16 bits), row_elems each, ks / vs elements
+// apart, copied into caches of E, or, for fp32 rows with bf16_cache, rounded into bf16
+// caches (write_kv_rows_bf16).
+template <typename E>
+inline void write_kv_rows_as(void* k_cache, void* v_cache, bool bf16_cache, const E* key,
+                             int64_t ks, const E* value, int64_t vs, const int64_t* slots,
+                             int64_t tokens, int64_t row_elems) {
+  if constexpr (sizeof(E) == 4) {
+    if (bf16_cache) {
+      write_kv_rows_bf16(static_cast<uint16_t*>(k_cache), static_cast<uint16_t*>(v_cache),
+                         reinterpret_cast<const float*>(key), ks,
+                         reinterpret_cast<const float*>(value), vs, slots, tokens, row_elems);
+      return;
+    }
+  }
+  constexpr int64_t kBytes = sizeof(E);
+  write_kv_rows(static_cast<char*>(k_cache), static_cast<char*>(v_cache),
+                reinterpret_cast<const char*>(key), ks * kBytes,
+                reinterpret_cast<const char*>(value), vs * kBytes, slots, tokens,
+                row_elems * kBytes);
+}
+
 }  // namespace pagoda_cpu_rows
