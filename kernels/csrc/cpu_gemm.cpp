@@ -215,7 +215,13 @@ void store_epilogue(const Args<T>& a, int64_t m0, int rows, int64_t n0,
 // 1.02-1.05 / 0.99-1.03 / 1.02x; a whole batch-54 step bf16 1.016x, fp32 level. At 256
 // rows (43 tiles) it measured 0.97-1.00x and the 2-row bf16 tiles (8-24 rows) 0.96-0.99x:
 // those keep the old split.
+// The AVX-512 fp32 tiles (8 rows) spread from 5 tiles (33-96 rows): on an Ice Lake class
+// Xeon (AVX-512, one A/B process alternating per model step, SmolLM2's linears, weights
+// from DRAM) the whole step's linears ran 1.07-1.10x faster at 48-64 rows, 1.02x at 40
+// and 96, and 0.96-0.98x at 32 rows (4 tiles, which keep the old split); the widened
+// bf16 tiles measured level (0.99-1.00x at 54 and 64 rows) and keep it.
 constexpr int64_t kSpreadMaxTiles = 12;
+constexpr int64_t kAvx512SpreadMinTiles = 5;
 
 // Panel groups [q0, q1) (a panel, or a gated pair) for every row of x, in register tiles
 // of up to MaxRows rows: tile(m0, rows, panel, pf, pf_end, lines, gate, epilogue) runs
@@ -224,12 +230,12 @@ constexpr int64_t kSpreadMaxTiles = 12;
 // group q in each block of rows.
 // lone_tile_lines: how many lines a step a lone tile (x of at most MaxRows rows)
 // prefetches of the next group (kVecs: as many as reach its end; 0: none).
-// spread (the 6-row AVX2 tiles): with more than kVecs and at most kSpreadMaxTiles tiles, every
-// tile prefetches an equal share of the next group, spread evenly over its first pass
-// (`lines` 0 says so), instead of the first tiles a line a step.
+// spread_min_tiles (0: never): with at least that many and at most kSpreadMaxTiles tiles,
+// every tile prefetches an equal share of the next group, spread evenly over its first
+// pass (`lines` 0 says so), instead of the first tiles a line a step.
 template <class T, int MaxRows, class Tile, class Prepare>
 void run_panel_tiles(const Args<T>& a, int64_t q0, int64_t q1, Tile tile, Prepare prepare,
-                     int lone_tile_lines = kVecs, bool spread = false) {
+                     int lone_tile_lines = kVecs, int64_t spread_min_tiles = 0) {
   const int G = group_panels(a.gated);
   const int64_t group_bytes = G * a.Ks * kStepBytes;
   const char* base = reinterpret_cast<const char*>(a.packed);
@@ -237,7 +243,8 @@ void run_panel_tiles(const Args<T>& a, int64_t q0, int64_t q1, Tile tile, Prepar
   for (int64_t mb = 0; mb < a.M; mb += kMBlock) {
     const int64_t rows = std::min(kMBlock, a.M - mb);
     const int64_t tiles = (rows + MaxRows - 1) / MaxRows;
-    const bool spread_here = spread && tiles > kVecs && tiles <= kSpreadMaxTiles;
+    const bool spread_here =
+        spread_min_tiles > 0 && tiles >= spread_min_tiles && tiles <= kSpreadMaxTiles;
     // the next group's G * 3 * Ks lines over G * tiles calls of Ks steps
     const int lines = tiles == 1    ? lone_tile_lines
                       : spread_here ? 0
@@ -389,7 +396,8 @@ inline void store_vec(uint16_t* out, __m512 v, __mmask16 mask) {
 #endif
 
 // Rows [m0, m0 + MR) x the 48 columns of one panel, over all Ks steps; prefetches the
-// lines [pf, pf_end) of the next panel, lines_per_step of them a step.
+// lines [pf, pf_end) of the next panel, lines_per_step of them a step (0: spread evenly
+// over the steps, into L2 as the AVX2 tiles do; see kSpreadMaxTiles).
 template <class T, int MR, Epilogue E>
 void tile(const Args<T>& a, int64_t m0, int64_t panel, const char* pf, const char* pf_end,
           int lines_per_step, float (*gate)[kNR]) {
@@ -408,8 +416,19 @@ void tile(const Args<T>& a, int64_t m0, int64_t panel, const char* pf, const cha
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < kVecs; ++v) acc[m][v] = _mm512_setzero_ps();
   int64_t s = 0;
+  int64_t pf_steps = 0;
+  if (lines_per_step == 0 && pf < pf_end) {  // spread: a line every `stride` steps
+    const int64_t lines = (pf_end - pf + kLine - 1) / kLine;
+    const int64_t stride = std::max<int64_t>(1, a.Ks / lines);
+    const char* p = pf;
+    for (int64_t l = 0; l < lines && s + stride <= a.Ks; ++l, p += kLine) {
+      _mm_prefetch(p, _MM_HINT_T1);
+      for (const int64_t e = s + stride; s < e; ++s) do_step<T, MR>(acc, x, ldx, b, s);
+    }
+  } else if (lines_per_step > 0) {
+    pf_steps = prefetch_steps(a.Ks, pf, pf_end, lines_per_step);
+  }
   // the prefetching part of the loop, then the rest without the bound check
-  const int64_t pf_steps = prefetch_steps(a.Ks, pf, pf_end, lines_per_step);
   for (; s < pf_steps; ++s) {
     prefetch_step(pf, pf_end, s, lines_per_step);
     do_step<T, MR>(acc, x, ldx, b, s);
@@ -459,7 +478,7 @@ void run_panels_avx512(const Args<T>& a, int64_t q0, int64_t q1) {
                                           const char* pf_end, int lines, float (*gate)[kNR],
                                           auto epilogue) {
     run_tile<T, decltype(epilogue)::value>(a, m0, mr, panel, pf, pf_end, lines, gate);
-  }, [](int64_t) {});
+  }, [](int64_t) {}, kVecs, sizeof(T) == 4 ? kAvx512SpreadMinTiles : 0);
 }
 #endif
 
@@ -682,7 +701,7 @@ void run_panels_avx2(const Args<T>& a, int64_t q0, int64_t q1) {
                                                         auto epilogue) {
     run_tile_avx2<T, decltype(epilogue)::value, false>(a, m0, mr, panel, pf, pf_end, lines,
                                                        gate, nullptr);
-  }, [](int64_t) {}, kAvx2LoneTileLines, avx2_max_rows<T>() == 6);
+  }, [](int64_t) {}, kAvx2LoneTileLines, avx2_max_rows<T>() == 6 ? kVecs + 1 : 0);
 }
 #endif
 
