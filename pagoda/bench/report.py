@@ -68,13 +68,15 @@ def add_online(report: dict[str, Any], records: list[RequestRecord],
     """Adds the same requests served online (``--online``) beside the offline run: its
     figures, the CPU seconds by role, and online / offline output throughput. With
     ``rounds`` (``--online-rounds``: each an offline and an online pass, the first being
-    the report's own) the ratio is the geometric mean of the rounds' ratios."""
+    the report's own) each round gets its ratio, and the headline is their geometric mean."""
     online = {**summarize(records), "cpu_s": cpu, **setup}
     report["online"] = online
     ratio = _ratio(online["output_tok_s"], report["pagoda"]["output_tok_s"])
     if rounds:
+        for r in rounds:
+            r["output_tok_s_ratio"] = _ratio(r["online_output_tok_s"], r["offline_output_tok_s"])
         ratios = [r["output_tok_s_ratio"] for r in rounds]
-        ratio = (math.exp(statistics.fmean(map(math.log, ratios)))
+        ratio = (statistics.geometric_mean(ratios)
                  if all(r is not None and r > 0 for r in ratios) else None)
     report["comparison_online"] = {"output_tok_s_ratio": ratio, "rounds": rounds}
 
