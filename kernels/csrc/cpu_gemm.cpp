@@ -295,6 +295,25 @@ inline void prefetch_step(const char* pf, const char* pf_end, int64_t s, int lin
     if (p < pf_end) _mm_prefetch(p, static_cast<_mm_hint>(Hint));
   }
 }
+
+// The spread prefetch (see kSpreadMaxTiles): the lines [pf, pf_end) into L2, one every
+// `stride` of the tile's first steps, step(s) running the steps between; returns how
+// many steps ran (the caller runs the rest).
+template <class Step>
+__attribute__((always_inline)) inline int64_t spread_prefetch(const char* pf,
+                                                              const char* pf_end,
+                                                              int64_t steps, Step step) {
+  int64_t s = 0;
+  if (pf >= pf_end) return s;
+  const int64_t lines = (pf_end - pf + kLine - 1) / kLine;
+  const int64_t stride = std::max<int64_t>(1, steps / lines);
+  const char* p = pf;
+  for (int64_t l = 0; l < lines && s + stride <= steps; ++l, p += kLine) {
+    _mm_prefetch(p, _MM_HINT_T1);
+    for (const int64_t e = s + stride; s < e; ++s) step(s);
+  }
+  return s;
+}
 #endif
 
 #ifdef PAGODA_GEMM_AVX512
@@ -417,15 +436,11 @@ void tile(const Args<T>& a, int64_t m0, int64_t panel, const char* pf, const cha
     for (int v = 0; v < kVecs; ++v) acc[m][v] = _mm512_setzero_ps();
   int64_t s = 0;
   int64_t pf_steps = 0;
-  if (lines_per_step == 0 && pf < pf_end) {  // spread: a line every `stride` steps
-    const int64_t lines = (pf_end - pf + kLine - 1) / kLine;
-    const int64_t stride = std::max<int64_t>(1, a.Ks / lines);
-    const char* p = pf;
-    for (int64_t l = 0; l < lines && s + stride <= a.Ks; ++l, p += kLine) {
-      _mm_prefetch(p, _MM_HINT_T1);
-      for (const int64_t e = s + stride; s < e; ++s) do_step<T, MR>(acc, x, ldx, b, s);
-    }
-  } else if (lines_per_step > 0) {
+  if (lines_per_step == 0) {
+    s = spread_prefetch(pf, pf_end, a.Ks, [&](int64_t k) __attribute__((always_inline)) {
+      do_step<T, MR>(acc, x, ldx, b, k);
+    });
+  } else {
     pf_steps = prefetch_steps(a.Ks, pf, pf_end, lines_per_step);
   }
   // the prefetching part of the loop, then the rest without the bound check
@@ -599,14 +614,8 @@ void tile_avx2(const Args<T>& a, int64_t m0, int64_t panel, const char* pf,
       else step_bf16_avx2<MR, NV>(acc, x, ldx, bh, s);
     };
     int64_t s = 0;
-    if (h == 0 && lines_per_step == 0 && pf < pf_end) {  // spread: a line every `stride` steps
-      const int64_t lines = (pf_end - pf + kLine - 1) / kLine;
-      const int64_t stride = std::max<int64_t>(1, steps / lines);
-      const char* p = pf;
-      for (int64_t l = 0; l < lines && s + stride <= steps; ++l, p += kLine) {
-        _mm_prefetch(p, _MM_HINT_T1);
-        for (const int64_t e = s + stride; s < e; ++s) step(s);
-      }
+    if (h == 0 && lines_per_step == 0) {
+      s = spread_prefetch(pf, pf_end, steps, step);
     } else if (h == 0) {
       for (const int64_t n = prefetch_steps(steps, pf, pf_end, lines_per_step); s < n; ++s) {
         prefetch_step<_MM_HINT_T1>(pf, pf_end, s, lines_per_step);
