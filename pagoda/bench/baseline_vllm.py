@@ -5,17 +5,25 @@ runs as a subprocess over a workload file (``vllm_runner.py``); pagoda never imp
 It gets both cores (``VLLM_CPU_NUM_OF_RESERVED_CPU=0``), a KV cache of
 ``VLLM_CPU_KVCACHE_SPACE`` GiB, and tcmalloc and its bundled libiomp5 preloaded, as
 vLLM's CPU docs ask. Without the environment the baseline is skipped with a message.
+
+With rounds (``--vllm-rounds``) the subprocess stays up after its first pass and runs
+each further pass when told to, over a pair of pipes (``VllmSession.run_round``), so that
+its passes can alternate with pagoda's on a machine whose speed drifts.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import select
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from pagoda.bench.workload import Workload
 
@@ -46,31 +54,144 @@ def preloads() -> list[str]:
     return found
 
 
-def run_vllm_baseline(model_dir: str, work: Workload, dtype: str, max_model_len: int,
-                      bs1_prompt: list[int], bs1_output: int = 128,
-                      timeout_s: float = 3600.0) -> dict[str, Any] | None:
-    """vLLM's figures on ``work`` (see vllm_runner.py), or None when it is not installed."""
+class VllmSession:
+    """A vLLM runner whose first pass is done (``figures``), up for more passes."""
+
+    def __init__(self, process: subprocess.Popen[bytes], commands: IO[str] | None,
+                 replies: IO[str] | None, log: Path, figures: dict[str, Any],
+                 deadline: float) -> None:
+        self._process, self._commands, self._replies = process, commands, replies
+        self._log, self._deadline = log, deadline
+        self.figures = figures
+
+    def run_round(self, r: int) -> dict[str, Any]:
+        """Round r's pass (the workload's r-th salted copy): its wall time, output tokens
+        and output tokens/s."""
+        if self._commands is None:
+            raise RuntimeError("this vLLM session was started without rounds")
+        self._commands.write(f"{r}\n")
+        self._commands.flush()
+        reply = _read_reply(self._replies, self._process, self._log, self._deadline)
+        if reply.get("round") != r:
+            raise RuntimeError(f"vLLM runner answered {reply} to round {r}")
+        return reply
+
+    def close(self) -> None:
+        if self._commands is not None:
+            try:
+                self._commands.write("stop\n")
+                self._commands.close()
+            except OSError:  # the runner is gone already: its exit status says why
+                pass
+        if self._replies is not None:
+            self._replies.close()
+        try:
+            self._process.wait(timeout=max(1.0, self._deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+
+
+def _failure(process: subprocess.Popen[bytes], log: Path) -> RuntimeError:
+    tail = log.read_text(encoding="utf-8", errors="replace")[-3000:] if log.exists() else ""
+    return RuntimeError(f"vLLM baseline failed (exit {process.returncode}): {tail}")
+
+
+def _read_reply(replies: IO[str] | None, process: subprocess.Popen[bytes], log: Path,
+                deadline: float) -> dict[str, Any]:
+    """The runner's next line, within the deadline; its death or a wrong line raises."""
+    assert replies is not None
+    left = deadline - time.monotonic()
+    ready, _, _ = select.select([replies], [], [], max(0.0, left))
+    line = replies.readline() if ready else ""
+    if not line:
+        if not ready:
+            process.kill()
+        process.wait()
+        raise _failure(process, log)
+    message: dict[str, Any] = json.loads(line)
+    return message
+
+
+@contextmanager
+def vllm_session(model_dir: str, work: Workload, dtype: str, max_model_len: int,
+                 bs1_prompt: list[int], bs1_output: int = 128,
+                 rounds: list[Workload] | None = None,
+                 timeout_s: float = 3600.0) -> Iterator[VllmSession | None]:
+    """vLLM's runner on ``work`` (see vllm_runner.py), its first pass and batch-1 probe
+    done; with ``rounds`` (same output lengths as ``work``) it stays up for
+    ``run_round(1..len(rounds))`` until the block ends. None when vLLM is not installed."""
     python = vllm_python()
     if python is None:
         print(f"pagoda bench: --baseline vllm skipped: {VENV} is missing "
               f"(make it with: bash scripts/setup_vllm.sh)", file=sys.stderr)
-        return None
+        yield None
+        return
+    rounds = rounds or []
+    if any(r.output_lens != work.output_lens for r in rounds):
+        raise ValueError("vLLM rounds must keep the workload's output lengths")
     env = {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
            "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB), "VLLM_TARGET_DEVICE": "cpu"}
     if libs := preloads():
         env["LD_PRELOAD"] = ":".join(libs + [env.get("LD_PRELOAD", "")]).rstrip(":")
+    deadline = time.monotonic() + timeout_s
     with tempfile.TemporaryDirectory(prefix="pagoda-vllm-") as tmp:
-        workload, result = Path(tmp) / "workload.json", Path(tmp) / "result.json"
+        workload, result, log = (Path(tmp) / "workload.json", Path(tmp) / "result.json",
+                                 Path(tmp) / "runner.log")
         workload.write_text(json.dumps({
             "model": model_dir, "dtype": dtype, "max_model_len": max_model_len,
             "prompts": work.prompts, "output_lens": work.output_lens,
-            "bs1_prompt": bs1_prompt, "bs1_output": bs1_output}))
-        run = subprocess.run([str(python), str(RUNNER), str(workload), str(result)], env=env,
-                             cwd=tmp, check=False, timeout=timeout_s, capture_output=True,
-                             text=True)
-        if run.returncode != 0:
-            raise RuntimeError(f"vLLM baseline failed (exit {run.returncode}): "
-                               f"{run.stderr[-3000:]}")
-        figures: dict[str, Any] = json.loads(result.read_text())
-    figures["ld_preload"] = env.get("LD_PRELOAD")
-    return figures
+            "bs1_prompt": bs1_prompt, "bs1_output": bs1_output,
+            "rounds": [r.prompts for r in rounds]}))
+        argv = [str(python), str(RUNNER), str(workload), str(result)]
+        commands = replies = None
+        child_fds: tuple[int, ...] = ()
+        if rounds:
+            cmd_read, cmd_write = os.pipe()
+            reply_read, reply_write = os.pipe()
+            child_fds = (cmd_read, reply_write)
+            argv += [str(cmd_read), str(reply_write)]
+            commands = os.fdopen(cmd_write, "w", encoding="utf-8")
+            replies = os.fdopen(reply_read, "r", encoding="utf-8")
+        # its log goes to a file: vLLM writes a lot, and a full pipe would stall it
+        with open(log, "wb") as log_file:
+            process = subprocess.Popen(argv, env=env, cwd=tmp, stdout=log_file,
+                                       stderr=subprocess.STDOUT, pass_fds=child_fds)
+        for fd in child_fds:  # the child's ends: closed here, so its exit reads as EOF
+            os.close(fd)
+        session = None
+        try:
+            if rounds:
+                if not _read_reply(replies, process, log, deadline).get("ready"):
+                    raise RuntimeError("vLLM runner did not report ready")
+            else:
+                try:
+                    process.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+                if process.returncode != 0:
+                    raise _failure(process, log)
+            figures: dict[str, Any] = json.loads(result.read_text())
+            figures["ld_preload"] = env.get("LD_PRELOAD")
+            session = VllmSession(process, commands, replies, log, figures, deadline)
+            yield session
+        finally:
+            if session is not None:
+                session.close()
+            else:
+                for pipe in (commands, replies):
+                    if pipe is not None:
+                        pipe.close()
+                if process.poll() is None:
+                    process.kill()
+                    process.wait()
+
+
+def run_vllm_baseline(model_dir: str, work: Workload, dtype: str, max_model_len: int,
+                      bs1_prompt: list[int], bs1_output: int = 128,
+                      timeout_s: float = 3600.0) -> dict[str, Any] | None:
+    """vLLM's figures on ``work`` (see vllm_runner.py), or None when it is not installed."""
+    with vllm_session(model_dir, work, dtype, max_model_len, bs1_prompt, bs1_output,
+                      timeout_s=timeout_s) as session:
+        return None if session is None else session.figures

@@ -78,6 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--baseline", choices=("hf", "vllm"), action="append", default=None,
                    help="hf: HF transformers generate; vllm: vLLM's CPU engine (its own "
                         "environment, scripts/setup_vllm.sh); same requests, same run; repeatable")
+    c.add_argument("--vllm-rounds", type=int, default=1, metavar="N",
+                   help="with --baseline vllm (offline): N rounds of a pagoda and a vLLM "
+                        "pass in alternating order (both engines stay up; each round's "
+                        "prompts salted so no pass hits another's prefix cache); prints "
+                        "each round's pagoda / vLLM and their geometric mean")
     c.add_argument("--hf-batch-sizes", default="1,8,16,32,64", help="1 = one request at a time")
     c.add_argument("--hf-dtypes", default="auto",
                    help="comma-separated; auto: float32 and the dtype pagoda computes in")
@@ -102,6 +107,8 @@ def _mode(args: argparse.Namespace) -> str:
                          "drop --launch/--url/--transport")
     if args.online_rounds != 1 and (not args.online or args.online_rounds < 1):
         raise SystemExit("pagoda bench: --online-rounds takes a count >= 1 and needs --online")
+    if args.vllm_rounds != 1 and (args.vllm_rounds < 1 or "vllm" not in (args.baseline or ())):
+        raise SystemExit("pagoda bench: --vllm-rounds takes a count >= 1 and needs --baseline vllm")
     if args.launch or args.url:
         return args.transport or "http"
     if args.transport:
@@ -188,7 +195,8 @@ def _tokenizer(model_dir: Path) -> Any:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from pagoda.bench.report import add_online, build_report
+    from pagoda.bench.report import add_online, add_vllm_rounds, build_report
+    from pagoda.bench.stats import summarize
     from pagoda.model_fetch import resolve_model
 
     mode, progress = _mode(args), not args.no_progress
@@ -198,6 +206,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     start_s: float | None = None  # the offline engine's construction (model load, KV pool)
     cpu: dict[str, float | None] | None = None  # a launched run's CPU seconds by role
     online: OnlineComparison | None = None
+    vllm_rounds: VllmRounds | None = None
     max_model_len = 0  # the offline engine's, which the vLLM baseline is given too
     model_dir = resolve_model(_settings(args).model)
     dtype, kv_cache_dtype = engine_dtype(args), engine_kv_cache_dtype(args)
@@ -252,6 +261,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             online = _alternating_rounds(args, llm, work, str(model_dir), (records, scheduler),
                                          progress)
         max_model_len = llm.engine.max_model_len
+        if "vllm" in baselines and args.vllm_rounds > 1:
+            vllm_rounds = _vllm_rounds(args, llm, work, str(model_dir), dtype,
+                                       summarize(records)["output_tok_s"],
+                                       scheduler["prefix_cache_hits"], progress)
         llm.close()
         gc.unfreeze()
         del llm  # free its KV cache before the baseline loads another copy of the model
@@ -265,7 +278,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         records, scheduler, cpu = _run_online(args, mode, str(model_dir), work, progress,
                                               launch=args.launch)
     hf = vllm = None
-    if "vllm" in baselines:
+    if vllm_rounds is not None:
+        vllm = vllm_rounds.figures
+    elif "vllm" in baselines:
         from pagoda.bench.baseline_vllm import run_vllm_baseline
         from pagoda.bench.runner_offline import BS1_OUTPUT, bs1_probe
 
@@ -299,6 +314,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     report = build_report(config, records, scheduler, hf, vllm=vllm, bs1=bs1, cpu=cpu,
                           start_s=start_s)
     report["exact_match"] = exact
+    if vllm_rounds is not None and vllm_rounds.figures is not None:
+        add_vllm_rounds(report, vllm_rounds.rounds)
     if online is not None:
         add_online(report, online.records, online.cpu,
                    {"transport": "http", "frontends": args.frontends,
@@ -433,6 +450,54 @@ def _alternating_rounds(args: argparse.Namespace, llm: Any, work: Workload, mode
                 off = offline(salted)
                 add(off, serve(salted), False)
     return OnlineComparison(first[0], first[2], rounds)
+
+
+@dataclass(frozen=True)
+class VllmRounds:
+    """``--vllm-rounds``: vLLM's figures (its first pass and batch-1 probe; None when
+    vLLM is not installed) and every round's pagoda and vLLM output tokens/s."""
+
+    figures: dict[str, Any] | None
+    rounds: list[dict[str, Any]]
+
+
+def _vllm_rounds(args: argparse.Namespace, llm: Any, work: Workload, model_dir: str,
+                 dtype: str, first_output_tok_s: float, first_hits: float | None,
+                 progress: bool) -> VllmRounds:
+    """vLLM's runner up beside the offline engine: its first pass against pagoda's first,
+    then N - 1 rounds of a pass of each in alternating order (vLLM first in odd rounds),
+    round r on the workload salted past every salt the online rounds used, so that a
+    machine whose speed drifts over minutes weighs on both engines alike."""
+    from pagoda.bench.baseline_vllm import vllm_session
+    from pagoda.bench.runner_offline import BS1_OUTPUT, bs1_probe, run_offline
+    from pagoda.bench.stats import summarize
+
+    vocab_size = llm.engine.model_config.vocab_size
+    first_salt = max(1, args.online_rounds) if args.online else 1
+    salted = [work.salted(first_salt + r - 1, vocab_size) for r in range(1, args.vllm_rounds)]
+
+    def pagoda_pass(w: Workload) -> tuple[float, float | None]:
+        records, scheduler = run_offline(llm, w, args.request_rate, args.max_concurrency,
+                                         args.seed, progress)
+        return float(summarize(records)["output_tok_s"]), scheduler["prefix_cache_hits"]
+
+    with vllm_session(model_dir, work, dtype, llm.engine.max_model_len, bs1_probe(work),
+                      BS1_OUTPUT, rounds=salted) as session:
+        if session is None:
+            return VllmRounds(None, [])
+        rounds = [{"pagoda_output_tok_s": first_output_tok_s,
+                   "vllm_output_tok_s": session.figures["output_tok_s"], "vllm_first": False,
+                   "pagoda_prefix_cache_hits": first_hits}]
+        for r, w in enumerate(salted, start=1):
+            if r % 2:
+                theirs = session.run_round(r)["output_tok_s"]
+                ours, hits = pagoda_pass(w)
+            else:
+                ours, hits = pagoda_pass(w)
+                theirs = session.run_round(r)["output_tok_s"]
+            rounds.append({"pagoda_output_tok_s": ours, "vllm_output_tok_s": theirs,
+                           "vllm_first": bool(r % 2), "pagoda_prefix_cache_hits": hits})
+        return VllmRounds(session.figures, rounds)
 
 
 def _run_in_thread(fn: Callable[[], Any]) -> Any:

@@ -143,18 +143,24 @@ def test_vllm_baseline_without_its_environment_is_skipped_with_a_message(
                     .is_file(), reason="no .venv-vllm (bash scripts/setup_vllm.sh makes it)")
 def test_vllm_runs_the_same_requests_to_the_same_tokens(tmp_path: Path) -> None:
     """The real vLLM CPU engine, in its own environment, on pagoda's workload: greedy
-    float32 tokens equal pagoda's offline engine's. (vLLM's CPU attention takes head_dim
-    64 and up, so this tiny model has 64-wide heads.)"""
+    float32 tokens equal pagoda's offline engine's; with a round (``--vllm-rounds``) the
+    engine stays up and runs the salted copy when told. (vLLM's CPU attention takes
+    head_dim 64 and up, so this tiny model has 64-wide heads.)"""
     from pagoda import LLM
-    from pagoda.bench.baseline_vllm import run_vllm_baseline
+    from pagoda.bench.baseline_vllm import vllm_session
     from pagoda.bench.runner_offline import greedy_exact
     from support.checkpoints import make_checkpoint
 
     tiny_llama_dir = make_checkpoint(tmp_path / "tiny", "llama", seed=21, head_dim=64)
 
     work = Workload([[5, 6, 7, 8, 9, 10], list(range(30, 50))], [12, 8])
-    figures = run_vllm_baseline(str(tiny_llama_dir), work, "float32", 1024, [5, 6, 7, 8] * 4, 8)
-    assert figures is not None and figures["output_tokens"] == 20
+    with vllm_session(str(tiny_llama_dir), work, "float32", 1024, [5, 6, 7, 8] * 4, 8,
+                      rounds=[work.salted(1, 100)]) as session:
+        assert session is not None
+        figures = session.figures
+        assert figures["output_tokens"] == 20
+        again = session.run_round(1)
+        assert again["round"] == 1 and again["output_tokens"] == 20 and again["output_tok_s"] > 0
     with LLM(str(tiny_llama_dir), dtype="float32", device="cpu") as llm:
         ours = llm.generate(work.prompts, [greedy_exact(n) for n in work.output_lens],
                             use_tqdm=False)
