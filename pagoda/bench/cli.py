@@ -67,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "alternating order (both engines stay up; each round's prompts "
                         "salted so no pass hits another's prefix cache); prints each "
                         "round's online / offline and their geometric mean (CPU only)")
+    m.add_argument("--online-launches", type=int, default=1, metavar="L",
+                   help="with --online-rounds: the rounds L times, each time on a freshly "
+                        "launched stack (a process's speed can differ from the next's for "
+                        "its lifetime); the headline is the geometric mean of every round")
     a = p.add_argument_group("arrival")
     a.add_argument("--request-rate", type=float, default=float("inf"),
                    help="Poisson arrivals per second (seeded); inf = all at once")
@@ -107,6 +111,9 @@ def _mode(args: argparse.Namespace) -> str:
                          "drop --launch/--url/--transport")
     if args.online_rounds != 1 and (not args.online or args.online_rounds < 1):
         raise SystemExit("pagoda bench: --online-rounds takes a count >= 1 and needs --online")
+    if args.online_launches != 1 and (args.online_rounds < 2 or args.online_launches < 1):
+        raise SystemExit("pagoda bench: --online-launches takes a count >= 1 and needs "
+                         "--online-rounds 2 or more")
     if args.vllm_rounds != 1 and (args.vllm_rounds < 1 or "vllm" not in (args.baseline or ())):
         raise SystemExit("pagoda bench: --vllm-rounds takes a count >= 1 and needs --baseline vllm")
     if args.launch or args.url:
@@ -371,10 +378,11 @@ def _online_pass(args: argparse.Namespace, mode: str, work: Workload, progress: 
 
 @contextmanager
 def _launched_passes(args: argparse.Namespace, mode: str, model_dir: str,
-                     progress: bool) -> Iterator[Callable[[Workload], OnlinePass]]:
+                     progress: bool,
+                     ) -> Iterator[tuple[Callable[[Workload], OnlinePass], dict[str, int]]]:
     """A launched stack, up until the block ends, as a function that serves one workload
     through it and returns that pass's records, scheduler figures and CPU seconds by role
-    (each pass's warm-up, two short requests, counts in it)."""
+    (each pass's warm-up, two short requests, counts in it), and its processes' ids."""
     from pagoda.bench.cpu_usage import CpuMeter
     from pagoda.bench.launch import launched_stack
     from shared.config import ProcessSettings
@@ -396,7 +404,7 @@ def _launched_passes(args: argparse.Namespace, mode: str, model_dir: str,
             records, scheduler = _run_in_thread(client)
             return records, scheduler, meter.stop()
 
-        yield serve
+        yield serve, stack.pids
 
 
 def _run_online(args: argparse.Namespace, mode: str, model_dir: str, work: Workload,
@@ -404,7 +412,7 @@ def _run_online(args: argparse.Namespace, mode: str, model_dir: str, work: Workl
     """The records, the scheduler's figures and, for a launched stack, the CPU seconds
     each role took during the run (None for a server run elsewhere)."""
     if launch:
-        with _launched_passes(args, mode, model_dir, progress) as serve:
+        with _launched_passes(args, mode, model_dir, progress) as (serve, _):
             return serve(work)
     metrics = args.metrics_url
     if metrics is None and args.url:
@@ -420,7 +428,9 @@ def _alternating_rounds(args: argparse.Namespace, llm: Any, work: Workload, mode
     """``--online-rounds N``: the offline pass already run, then the online one, then
     N - 1 more rounds of the two in alternating order (online first in odd rounds), so
     that a machine whose speed drifts over minutes weighs on both sides alike. Round r
-    serves the workload salted by r in both engines (Workload.salted), which stay up."""
+    serves the workload salted by r in both engines (Workload.salted), which stay up.
+    ``--online-launches L``: N rounds more on each of L - 1 freshly launched stacks (the
+    offline engine stays up, so the salts keep counting)."""
     from pagoda.bench.runner_offline import run_offline
     from pagoda.bench.stats import summarize
 
@@ -431,24 +441,33 @@ def _alternating_rounds(args: argparse.Namespace, llm: Any, work: Workload, mode
 
     rounds: list[dict[str, Any]] = []
 
-    def add(off: tuple[list[Any], dict[str, Any]], on: OnlinePass, online_first: bool) -> None:
+    def add(off: tuple[list[Any], dict[str, Any]], on: OnlinePass, online_first: bool,
+            launch: int, worker_pid: int | None) -> None:
         rounds.append({"offline_output_tok_s": summarize(off[0])["output_tok_s"],
                        "online_output_tok_s": summarize(on[0])["output_tok_s"],
-                       "online_first": online_first, "online_cpu_s": on[2],
+                       "online_first": online_first, "launch": launch,
+                       "worker_pid": worker_pid, "online_cpu_s": on[2],
                        "offline_prefix_cache_hits": off[1]["prefix_cache_hits"],
                        "online_prefix_cache_hits": on[1]["prefix_cache_hits"]})
 
-    with _launched_passes(args, "http", model_dir, progress) as serve:
-        first = serve(work)
-        add(first_offline, first, False)
-        for r in range(1, args.online_rounds):
-            salted = work.salted(r, vocab_size)
-            if r % 2:
-                on = serve(salted)
-                add(offline(salted), on, True)
-            else:
-                off = offline(salted)
-                add(off, serve(salted), False)
+    first: OnlinePass | None = None
+    for launch in range(args.online_launches):
+        with _launched_passes(args, "http", model_dir, progress) as (serve, pids):
+            worker_pid = pids.get("worker-0")
+            for r in range(args.online_rounds):
+                salt = launch * args.online_rounds + r
+                if salt == 0:
+                    first = serve(work)
+                    add(first_offline, first, False, launch, worker_pid)
+                    continue
+                salted = work.salted(salt, vocab_size)
+                if r % 2:
+                    on = serve(salted)
+                    add(offline(salted), on, True, launch, worker_pid)
+                else:
+                    off = offline(salted)
+                    add(off, serve(salted), False, launch, worker_pid)
+    assert first is not None
     return OnlineComparison(first[0], first[2], rounds)
 
 
@@ -473,7 +492,7 @@ def _vllm_rounds(args: argparse.Namespace, llm: Any, work: Workload, model_dir: 
     from pagoda.bench.stats import summarize
 
     vocab_size = llm.engine.model_config.vocab_size
-    first_salt = max(1, args.online_rounds) if args.online else 1
+    first_salt = max(1, args.online_rounds * args.online_launches) if args.online else 1
     salted = [work.salted(first_salt + r - 1, vocab_size) for r in range(1, args.vllm_rounds)]
 
     def pagoda_pass(w: Workload) -> tuple[float, float | None]:

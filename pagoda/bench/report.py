@@ -150,9 +150,13 @@ def format_text(report: dict[str, Any]) -> str:
         if cmp_online.get("rounds"):
             rounds = cmp_online["rounds"]
             lines[-1] += f", geometric mean of {len(rounds)} rounds in alternating order:"
+            launches = len({r.get("launch", 0) for r in rounds})
+            if launches > 1:
+                lines[-1] = lines[-1][:-1] + f" over {launches} launches of the stack:"
             lines += [f"    round {i}: offline {_f(r['offline_output_tok_s'])}, online "
                       f"{_f(r['online_output_tok_s'])} tok/s ("
-                      f"{'online' if r['online_first'] else 'offline'} first): "
+                      f"{'online' if r['online_first'] else 'offline'} first"
+                      + (f", launch {r.get('launch', 0)}" if launches > 1 else "") + "): "
                       f"{_f(r['output_tok_s_ratio'], 3)}x" for i, r in enumerate(rounds)]
         if o.get("cpu_s"):
             lines.append("  online " + _cpu_text(o["cpu_s"]))

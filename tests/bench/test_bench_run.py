@@ -275,11 +275,38 @@ def test_online_rounds_alternate_and_never_hit_a_cached_prefix(
         math.prod(ratios) ** (1 / 3))
 
 
+def test_online_launches_repeat_the_rounds_on_a_fresh_stack(
+        tiny_smollm_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--online-rounds 2 --online-launches 2``: two rounds on one stack, two more on a
+    newly launched one (another worker process), in alternating order within each; the
+    salts keep counting across launches, so no pass of either engine hits a cached
+    prefix; the headline is the geometric mean of all four rounds."""
+    out_json = tmp_path / "r.json"
+    rc = pagoda_main(["bench", "--model", str(tiny_smollm_dir), "--num-requests", "3",
+                      "--prompt-len", "40,60", "--output-len", "fixed:3", "--online",
+                      "--online-rounds", "2", "--online-launches", "2", "--max-concurrency",
+                      "3", "--dtype", "float32", "--output-json", str(out_json), "--no-progress"])
+    assert rc == 0
+    assert "geometric mean of 4 rounds in alternating order over 2 launches" in capsys.readouterr().out
+    report = json.loads(out_json.read_text())
+    rounds = report["comparison_online"]["rounds"]
+    assert [r["launch"] for r in rounds] == [0, 0, 1, 1]
+    assert [r["online_first"] for r in rounds] == [False, True, False, True]
+    pids = [r["worker_pid"] for r in rounds]
+    assert pids[0] == pids[1] != pids[2] == pids[3]
+    assert all(r["offline_prefix_cache_hits"] == 0 and r["online_prefix_cache_hits"] == 0
+               for r in rounds)
+    assert report["comparison_online"]["output_tok_s_ratio"] == pytest.approx(
+        math.prod(r["output_tok_s_ratio"] for r in rounds) ** (1 / 4))
+
+
 def test_online_rounds_need_online_and_a_positive_count() -> None:
     with pytest.raises(SystemExit, match="--online-rounds"):
         pagoda_main(["bench", "--online-rounds", "2", "--no-progress"])
     with pytest.raises(SystemExit, match="--online-rounds"):
         pagoda_main(["bench", "--online", "--online-rounds", "0", "--no-progress"])
+    with pytest.raises(SystemExit, match="--online-launches"):
+        pagoda_main(["bench", "--online", "--online-launches", "2", "--no-progress"])
 
 
 def test_online_with_launch_is_refused() -> None:
