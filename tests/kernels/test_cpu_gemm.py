@@ -262,6 +262,24 @@ def test_thread_count_does_not_change_results(dtype: torch.dtype) -> None:
         assert all(torch.equal(a, c) for a, c in zip(outs[0], other, strict=True))
 
 
+def test_a_row_gets_the_same_bits_whatever_rows_come_with_it(gemm: Build,
+                                                              dtype: torch.dtype) -> None:
+    """Each output lane sums its products in K order whatever tile runs it (a 1-row tile,
+    an 8-row one, a remainder; the AVX2 bf16 panels widened once per block from 32 rows or
+    in the tiles below): 300 rows at once equal the same rows in pieces of 1 to 132, bit
+    for bit, in linear and linear_silu."""
+    _, b, packed = _weights(gemm, 960, 576, dtype)
+    gated_w = (torch.randn(2 * 96, 576, generator=torch.Generator().manual_seed(5)) * 0.05).to(dtype)
+    gated = gemm.pack_gated(gated_w)
+    x = _x(300, 576, dtype, seed=3)
+    pieces = [(0, 1), (1, 8), (8, 68), (68, 168), (168, 300)]
+    whole = gemm.linear(x, packed, 960, b)
+    assert torch.equal(whole, torch.cat([gemm.linear(x[i:j], packed, 960, b) for i, j in pieces]))
+    whole = gemm.linear_silu(x, gated, 96, None)
+    assert torch.equal(whole, torch.cat([gemm.linear_silu(x[i:j], gated, 96, None)
+                                         for i, j in pieces]))
+
+
 def _splits_panels(gemm: Build, dtype: torch.dtype) -> bool:
     """Whether this build packs the dtype's panels as three runs of 16 columns (the AVX2
     tiles' layout) rather than a step's 48 columns side by side."""
