@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --baseline vllm (offline): N rounds of a pagoda and a vLLM "
                         "pass in alternating order (both engines stay up; each round's "
                         "prompts salted so no pass hits another's prefix cache); prints "
-                        "each round's pagoda / vLLM and their geometric mean")
+                        "each round's pagoda / vLLM and the geometric mean of rounds 1 on")
     c.add_argument("--hf-batch-sizes", default="1,8,16,32,64", help="1 = one request at a time")
     c.add_argument("--hf-dtypes", default="auto",
                    help="comma-separated; auto: float32 and the dtype pagoda computes in")
