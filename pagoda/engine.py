@@ -17,6 +17,7 @@ two calls lands while a step is out, as it does in the pipeline.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from services.scheduler.scheduler import Scheduler, SchedulerConfig, SchedulerStats
@@ -57,6 +58,9 @@ class EngineCore:
             vocab_size=vocab_size, eos_token_ids=eos_ids, strict_invariants=strict_invariants,
         ), structured_output=self.structured_output)
         self.step_trace: list[StepBatch] | None = None  # tests switch it on
+        # pagoda bench --roofline switches it on (CPU): each batch run and the seconds its
+        # execute took
+        self.step_log: list[tuple[StepBatch, float]] | None = None
         self.async_scheduling = settings.async_scheduling
         # async scheduling: the step run ahead of its update, and its result
         self._ahead: tuple[StepBatch, StepResult] | None = None
@@ -102,7 +106,12 @@ class EngineCore:
         if self.step_trace is not None:
             self.step_trace.append(batch)
         self._group.relay_step(batch)
-        return self.runner.execute(batch)
+        if self.step_log is None:
+            return self.runner.execute(batch)
+        started = time.perf_counter()
+        result = self.runner.execute(batch)
+        self.step_log.append((batch, time.perf_counter() - started))
+        return result
 
     def collective_timer(self) -> CollectiveTimer | None:
         """Rank 0's time in collectives (None with one rank)."""

@@ -215,6 +215,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     online: OnlineComparison | None = None
     vllm_rounds: VllmRounds | None = None
     max_model_len = 0  # the offline engine's, which the vLLM baseline is given too
+    step_log: list[Any] | None = None  # --roofline on a CPU: the offline pass's steps
     model_dir = resolve_model(_settings(args).model)
     dtype, kv_cache_dtype = engine_dtype(args), engine_kv_cache_dtype(args)
     exact_n = exact_match_requests(args, dtype, kv_cache_dtype)
@@ -250,8 +251,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # as the worker process does once it is built (shared/heap.py); undone before the
         # engine is dropped, so its memory is freed for the baselines
         freeze_startup_heap()
+        if args.roofline and engine_device(args) == "cpu":  # each step beside its roofline
+            llm.engine.step_log = []  # (a CUDA step's execute returns before it ends)
         records, scheduler = run_offline(llm, work, args.request_rate, args.max_concurrency,
                                          args.seed, progress)
+        step_log, llm.engine.step_log = llm.engine.step_log, None
         if "vllm" in baselines or args.roofline:  # batch-1 latencies, as vLLM's are measured
             if args.roofline:  # the probe's floor: the bandwidth of the moment around it
                 from pagoda.bench.roofline import measure_read_bandwidth
@@ -336,6 +340,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                        report["pagoda"], layer_params, lm_head_params)
         if bs1 and bs1_bandwidth:
             roof.update(bs1_floor(bs1["tpot_s"], roof, bs1_bandwidth))
+        if step_log:
+            from pagoda.bench.roofline import kv_bytes_per_token, step_breakdown
+
+            cache_bytes = 4 if kv_cache_dtype == "float32" else 2
+            roof["steps"] = step_breakdown(step_log, roofline_machine,
+                                           count_parameters(model_dir), bytes_per_param,
+                                           layer_params, lm_head_params,
+                                           kv_bytes_per_token(model_dir, cache_bytes))
         report["roofline"] = roof
     return report
 

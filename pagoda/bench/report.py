@@ -214,8 +214,24 @@ def format_text(report: dict[str, Any]) -> str:
                          f"({_f(r['bs1_weights_read_s'] * 1e3, 2)} ms at "
                          f"{r['bs1_mem_read_bytes_s'] / 1e9:.1f} GB/s, measured around the probe: "
                          + ", ".join(f"{b / 1e9:.1f}" for b in r["bs1_mem_read_samples"]) + ")")
+        if r.get("steps"):
+            lines.append("  the offline pass's steps beside their own roofline (matmuls at the "
+                         "measured rate or one weight read, the larger; K/V reads at the "
+                         "measured bandwidth apart, as the ceiling leaves them out):")
+            for kind, b in _ordered_steps(r["steps"]):
+                lines.append(f"    {kind + ':':<19}{b['steps']:>5.0f} steps {b['seconds']:8.2f} s; "
+                             f"roofline {b['roofline_s']:7.2f} s ({_pct(b['share'])}), "
+                             f"+ K/V {b['kv_read_s']:6.2f} s ({_pct(b['share_with_kv'])})")
         lines.append(f"  ({r['definition']})")
     return "\n".join(lines)
+
+
+def _ordered_steps(steps: dict[str, dict[str, float]]) -> list[tuple[str, dict[str, float]]]:
+    """Prefill, the decode kinds by rows, then the total."""
+    from pagoda.bench.roofline import DECODE_BUCKETS, WIDEST_BUCKET
+
+    order = ["prefill", *(name for _, name in DECODE_BUCKETS), WIDEST_BUCKET, "all"]
+    return [(kind, steps[kind]) for kind in order if kind in steps]
 
 
 def _cpu_text(cpu: dict[str, float | None]) -> str:

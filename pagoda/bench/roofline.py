@@ -159,6 +159,72 @@ def ceiling(machine: dict[str, Any], params: int, bytes_per_param: int, summary:
     }
 
 
+def kv_bytes_per_token(model_dir: str | Path, cache_bytes: int) -> int:
+    """Bytes of K and V one token keeps in the cache over all layers."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    text = cfg.get("text_config") or cfg
+    heads = int(text["num_attention_heads"])
+    head_dim = int(text.get("head_dim") or int(text["hidden_size"]) // heads)
+    kv_heads = int(text.get("num_key_value_heads") or heads)
+    return 2 * int(text["num_hidden_layers"]) * kv_heads * head_dim * cache_bytes
+
+
+# decode steps grouped by their rows (a step with any prompt chunk is a prefill step)
+DECODE_BUCKETS = ((8, "decode 1-8 rows"), (32, "decode 9-32 rows"), (56, "decode 33-56 rows"))
+WIDEST_BUCKET = "decode 57+ rows"
+
+
+def step_breakdown(log: list[tuple[Any, float]], machine: dict[str, Any], params: int,
+                   bytes_per_param: int, layer_params: int, lm_head_params: int,
+                   kv_token_bytes: int) -> dict[str, dict[str, float]]:
+    """Each step of a run (``EngineCore.step_log``: its StepBatch and execute seconds)
+    beside its own roofline: the larger of its matmul time at the measured rate (2 x
+    the layers' parameters per computed token, plus the lm_head's per sampled row) and
+    one read of the weights; and, apart, its K/V reads (every scheduled sequence's
+    context after the step, once) at the measured bandwidth, which the ceiling leaves
+    out. Summed by kind of step: prefill (any prompt chunk), and decode by rows."""
+    flops, bw = machine["matmul_flops"], machine["mem_read_bytes_s"]
+    weights_s = params * bytes_per_param / bw
+    context: dict[str, int] = {}
+    prompt: dict[str, int] = {}
+    out: dict[str, dict[str, float]] = {}
+    for batch, seconds in log:
+        for rid in batch.finished_request_ids:
+            context.pop(rid, None)
+            prompt.pop(rid, None)
+        for new in batch.new_requests:  # preempted ones come back as new, from their hits
+            context[new.request_id] = new.num_computed_tokens
+            prompt[new.request_id] = new.num_prompt_tokens
+        tokens = sampled = kv_tokens = 0
+        prefill = False
+        for rid, n in zip(batch.scheduled_request_ids, batch.num_scheduled_tokens):
+            before = context.get(rid, 0)
+            context[rid] = before + n
+            tokens += n
+            kv_tokens += before + n
+            prefill = prefill or before < prompt.get(rid, 0)
+            sampled += before + n >= prompt.get(rid, 0)
+        if not tokens:
+            continue
+        rows = len(batch.scheduled_request_ids)
+        kind = "prefill" if prefill else next(
+            (name for top, name in DECODE_BUCKETS if rows <= top), WIDEST_BUCKET)
+        compute_s = (tokens * 2 * layer_params + sampled * 2 * lm_head_params) / flops
+        b = out.setdefault(kind, {"steps": 0, "seconds": 0.0, "roofline_s": 0.0, "kv_read_s": 0.0})
+        b["steps"] += 1
+        b["seconds"] += seconds
+        b["roofline_s"] += max(compute_s, weights_s)
+        b["kv_read_s"] += kv_tokens * kv_token_bytes / bw
+    if out:
+        out["all"] = {key: sum(b[key] for b in out.values())
+                      for key in ("steps", "seconds", "roofline_s", "kv_read_s")}
+    for b in out.values():
+        b["share"] = b["roofline_s"] / b["seconds"] if b["seconds"] else float("nan")
+        b["share_with_kv"] = ((b["roofline_s"] + b["kv_read_s"]) / b["seconds"]
+                              if b["seconds"] else float("nan"))
+    return out
+
+
 def bs1_floor(tpot_s: float, roof: dict[str, Any], bandwidths: list[float]) -> dict[str, Any]:
     """Batch-1 TPOT against its floor, one read of every weight, at the read bandwidth
     measured just before and just after the batch-1 probe (their mean): a VM's bandwidth

@@ -82,6 +82,12 @@ def test_offline_bench_writes_consistent_json_and_png(tiny_llama_dir: Path, tmp_
     assert r["bs1_weights_read_s"] == pytest.approx(r["params"] * 2 / r["bs1_mem_read_bytes_s"])
     assert r["bs1_tpot_vs_weights_read"] == pytest.approx(bs1["tpot_s"] / r["bs1_weights_read_s"])
     assert "one read of the weights" in text
+    # every step of the offline pass, beside its own roofline, by kind
+    steps = r["steps"]
+    assert "prefill" in steps and steps["all"]["steps"] >= 2
+    assert sum(b["steps"] for kind, b in steps.items() if kind != "all") == steps["all"]["steps"]
+    assert 0 < steps["all"]["seconds"] <= p["duration_s"]
+    assert "beside their own roofline" in text
     assert report["samples"]["throughput_over_time"]["t_s"]
 
 

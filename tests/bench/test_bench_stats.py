@@ -10,7 +10,13 @@ import numpy as np
 import pytest
 
 from pagoda.bench.report import build_report, format_text
-from pagoda.bench.roofline import ceiling, count_parameters, matmul_parameters
+from pagoda.bench.roofline import (
+    ceiling,
+    count_parameters,
+    kv_bytes_per_token,
+    matmul_parameters,
+    step_breakdown,
+)
 from pagoda.bench.runner_online import parse_prometheus
 from pagoda.bench.stats import (
     RequestRecord,
@@ -130,6 +136,48 @@ def test_roofline_ceiling_matches_hand_computation() -> None:
     assert rs["ceiling_output_tok_s"] == pytest.approx(64 * 136 / t_split)
     assert rs["ceiling_output_tok_s"] > r["ceiling_output_tok_s"]
     assert (rs["layer_params"], rs["lm_head_params"]) == (106_200_000, 28_300_000)
+
+
+def test_step_breakdown_puts_each_step_beside_its_own_roofline() -> None:
+    """Hand-computed: 1 MFLOP/s, 1 MB/s, 100 params of 2 B (a weight read: 200 us), 80 in
+    the layers and 20 in the lm_head, 10 B of K/V a token. A prefill step (A's whole
+    4-token prompt, B's last 2 of 3 after a 1-token prefix hit), then two decode steps,
+    B finished before the second."""
+    from shared.protocol import NewRequest, RunningRequest, StepBatch
+    from shared.sampling_params import SamplingParams
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=4)
+    log = [
+        (StepBatch(0, [NewRequest(1, [5, 6, 7, 8], 4, greedy, [1], 0),
+                       NewRequest(2, [5, 6, 9], 3, greedy, [2], 1)], [], [1, 2], [4, 2]), 1e-3),
+        (StepBatch(1, [], [RunningRequest(1), RunningRequest(2)], [1, 2], [1, 1]), 5e-4),
+        (StepBatch(2, [], [RunningRequest(1)], [1], [1], finished_request_ids=[2]), 4e-4),
+    ]
+    machine = {"matmul_flops": 1e6, "mem_read_bytes_s": 1e6}
+    steps = step_breakdown(log, machine, 100, 2, 80, 20, 10)
+    assert list(steps) == ["prefill", "decode 1-8 rows", "all"]
+    pre, dec, everything = steps["prefill"], steps["decode 1-8 rows"], steps["all"]
+    # 6 tokens through the layers, both rows sampled: 1040 FLOP = 1.04 ms > one weight read
+    assert pre["steps"] == 1 and pre["seconds"] == pytest.approx(1e-3)
+    assert pre["roofline_s"] == pytest.approx(1.04e-3)
+    assert pre["kv_read_s"] == pytest.approx((4 + 3) * 10 / 1e6)  # contexts after the step
+    # 2 rows (400 us of matmuls), then 1 row (200 us, as a weight read)
+    assert dec["steps"] == 2 and dec["seconds"] == pytest.approx(9e-4)
+    assert dec["roofline_s"] == pytest.approx(4e-4 + 2e-4)
+    assert dec["kv_read_s"] == pytest.approx((5 + 4 + 6) * 10 / 1e6)
+    assert everything["steps"] == 3
+    assert everything["roofline_s"] == pytest.approx(pre["roofline_s"] + dec["roofline_s"])
+    assert dec["share"] == pytest.approx(6e-4 / 9e-4)
+    assert dec["share_with_kv"] == pytest.approx((6e-4 + 1.5e-4) / 9e-4)
+
+
+def test_kv_bytes_per_token(tiny_llama_dir: Path) -> None:
+    import json
+
+    cfg = json.loads((tiny_llama_dir / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    assert kv_bytes_per_token(tiny_llama_dir, 2) == (
+        2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 2)
 
 
 def test_count_parameters(tiny_llama_dir: Path) -> None:
