@@ -57,9 +57,8 @@ class EngineCore:
             settings, num_blocks=built.num_blocks, max_model_len=built.max_model_len,
             vocab_size=vocab_size, eos_token_ids=eos_ids, strict_invariants=strict_invariants,
         ), structured_output=self.structured_output)
-        self.step_trace: list[StepBatch] | None = None  # tests switch it on
-        # pagoda bench --roofline switches it on (CPU): each batch run and the seconds its
-        # execute took
+        # tests and pagoda bench --roofline switch it on: each batch run and the seconds
+        # its execute took
         self.step_log: list[tuple[StepBatch, float]] | None = None
         self.async_scheduling = settings.async_scheduling
         # async scheduling: the step run ahead of its update, and its result
@@ -103,8 +102,6 @@ class EngineCore:
         return batch
 
     def _run(self, batch: StepBatch) -> StepResult:
-        if self.step_trace is not None:
-            self.step_trace.append(batch)
         self._group.relay_step(batch)
         if self.step_log is None:
             return self.runner.execute(batch)

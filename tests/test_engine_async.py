@@ -147,9 +147,9 @@ def test_a_grammar_sequence_samples_every_step(tiny_smollm_dir: Path) -> None:
     for flag in (False, True):
         llm = LLM(str(tiny_smollm_dir), dtype="float32", num_kv_blocks=64, max_model_len=256,
                   async_scheduling=flag)
-        llm.engine.step_trace = []
+        llm.engine.step_log = []
         outs = llm.generate(["Hello", "A story:"], params, use_tqdm=False)
-        trace = llm.engine.step_trace
+        trace = [batch for batch, _ in llm.engine.step_log]
         grammar_seq = trace[0].new_requests[0].request_id  # submitted first
         steps = [i for i, b in enumerate(trace) if grammar_seq in b.scheduled_request_ids]
         runs.append((outs[0].outputs[0].token_ids, steps[-1] - steps[0] + 1))

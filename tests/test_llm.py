@@ -92,11 +92,11 @@ def test_chunked_prefill_same_tokens_and_decodes_keep_going(model_dir: Path) -> 
     expected = tokens(wide.generate([long_prompt], params, use_tqdm=False))
 
     narrow = LLM(str(model_dir), dtype="float32", max_num_batched_tokens=256)
-    narrow.engine.step_trace = []
+    narrow.engine.step_log = []
     decoding = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     outs = narrow.generate(short + [long_prompt], [decoding] * 3 + [params], use_tqdm=False)
     assert tokens(outs)[3] == expected[0]
-    trace = narrow.engine.step_trace
+    trace = [batch for batch, _ in narrow.engine.step_log]
     # the worker link names sequences by compact ids: tell them apart by prompt length
     new = [n for b in trace for n in b.new_requests]
     long_ids = {n.request_id for n in new if n.num_prompt_tokens == 2000}
