@@ -216,6 +216,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     vllm_rounds: VllmRounds | None = None
     max_model_len = 0  # the offline engine's, which the vLLM baseline is given too
     step_log: list[Any] | None = None  # --roofline on a CPU: the offline pass's steps
+    kv_token_bytes = 0
     model_dir = resolve_model(_settings(args).model)
     dtype, kv_cache_dtype = engine_dtype(args), engine_kv_cache_dtype(args)
     exact_n = exact_match_requests(args, dtype, kv_cache_dtype)
@@ -256,6 +257,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         records, scheduler = run_offline(llm, work, args.request_rate, args.max_concurrency,
                                          args.seed, progress)
         step_log, llm.engine.step_log = llm.engine.step_log, None
+        if step_log:  # the K/V bytes a token holds in the pool, over every rank
+            from services.worker.model_runner import kv_cache_bytes_per_block
+
+            runner = llm.engine.runner
+            kv_token_bytes = (kv_cache_bytes_per_block(runner.model, 1, runner.kv_caches[0][0].dtype)
+                              * llm.engine.settings.tensor_parallel_size)
         if "vllm" in baselines or args.roofline:  # batch-1 latencies, as vLLM's are measured
             if args.roofline:  # the probe's floor: the bandwidth of the moment around it
                 from pagoda.bench.roofline import measure_read_bandwidth
@@ -341,13 +348,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if bs1 and bs1_bandwidth:
             roof.update(bs1_floor(bs1["tpot_s"], roof, bs1_bandwidth))
         if step_log:
-            from pagoda.bench.roofline import kv_bytes_per_token, step_breakdown
+            from pagoda.bench.roofline import step_breakdown
 
-            cache_bytes = 4 if kv_cache_dtype == "float32" else 2
             roof["steps"] = step_breakdown(step_log, roofline_machine,
                                            count_parameters(model_dir), bytes_per_param,
-                                           layer_params, lm_head_params,
-                                           kv_bytes_per_token(model_dir, cache_bytes))
+                                           layer_params, lm_head_params, kv_token_bytes)
         report["roofline"] = roof
     return report
 

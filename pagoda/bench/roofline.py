@@ -159,16 +159,6 @@ def ceiling(machine: dict[str, Any], params: int, bytes_per_param: int, summary:
     }
 
 
-def kv_bytes_per_token(model_dir: str | Path, cache_bytes: int) -> int:
-    """Bytes of K and V one token keeps in the cache over all layers."""
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    text = cfg.get("text_config") or cfg
-    heads = int(text["num_attention_heads"])
-    head_dim = int(text.get("head_dim") or int(text["hidden_size"]) // heads)
-    kv_heads = int(text.get("num_key_value_heads") or heads)
-    return 2 * int(text["num_hidden_layers"]) * kv_heads * head_dim * cache_bytes
-
-
 # decode steps grouped by their rows (a step with any prompt chunk is a prefill step)
 DECODE_BUCKETS = ((8, "decode 1-8 rows"), (32, "decode 9-32 rows"), (56, "decode 33-56 rows"))
 WIDEST_BUCKET = "decode 57+ rows"

@@ -13,7 +13,6 @@ from pagoda.bench.report import build_report, format_text
 from pagoda.bench.roofline import (
     ceiling,
     count_parameters,
-    kv_bytes_per_token,
     matmul_parameters,
     step_breakdown,
 )
@@ -169,15 +168,6 @@ def test_step_breakdown_puts_each_step_beside_its_own_roofline() -> None:
     assert everything["roofline_s"] == pytest.approx(pre["roofline_s"] + dec["roofline_s"])
     assert dec["share"] == pytest.approx(6e-4 / 9e-4)
     assert dec["share_with_kv"] == pytest.approx((6e-4 + 1.5e-4) / 9e-4)
-
-
-def test_kv_bytes_per_token(tiny_llama_dir: Path) -> None:
-    import json
-
-    cfg = json.loads((tiny_llama_dir / "config.json").read_text())
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    assert kv_bytes_per_token(tiny_llama_dir, 2) == (
-        2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 2)
 
 
 def test_count_parameters(tiny_llama_dir: Path) -> None:
