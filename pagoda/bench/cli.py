@@ -238,7 +238,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             BS1_OUTPUT,
             bs1_probe,
             measure_bs1,
-            run_offline,
             warm_up,
         )
         from pagoda.llm import LLM
@@ -254,8 +253,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         freeze_startup_heap()
         if args.roofline and engine_device(args) == "cpu":  # each step beside its roofline
             llm.engine.step_log = []  # (a CUDA step's execute returns before it ends)
-        records, scheduler = run_offline(llm, work, args.request_rate, args.max_concurrency,
-                                         args.seed, progress)
+        records, scheduler = _offline_pass(args, llm, work, progress)
         step_log, llm.engine.step_log = llm.engine.step_log, None
         if step_log:  # the K/V bytes a token holds in the pool, over every rank
             from services.worker.model_runner import kv_cache_bytes_per_block
@@ -448,13 +446,9 @@ def _alternating_rounds(args: argparse.Namespace, llm: Any, work: Workload, mode
     serves the workload salted by r in both engines (Workload.salted), which stay up.
     ``--online-launches L``: N rounds more on each of L - 1 freshly launched stacks (the
     offline engine stays up, so the salts keep counting)."""
-    from pagoda.bench.runner_offline import run_offline
     from pagoda.bench.stats import summarize
 
     vocab_size = llm.engine.model_config.vocab_size
-
-    def offline(w: Workload) -> tuple[list[Any], dict[str, Any]]:
-        return run_offline(llm, w, args.request_rate, args.max_concurrency, args.seed, progress)
 
     rounds: list[dict[str, Any]] = []
 
@@ -480,12 +474,20 @@ def _alternating_rounds(args: argparse.Namespace, llm: Any, work: Workload, mode
                 salted = work.salted(salt, vocab_size)
                 if r % 2:
                     on = serve(salted)
-                    add(offline(salted), on, True, launch, worker_pid)
+                    add(_offline_pass(args, llm, salted, progress), on, True, launch, worker_pid)
                 else:
-                    off = offline(salted)
+                    off = _offline_pass(args, llm, salted, progress)
                     add(off, serve(salted), False, launch, worker_pid)
     assert first is not None
     return OnlineComparison(first[0], first[2], rounds)
+
+
+def _offline_pass(args: argparse.Namespace, llm: Any, work: Workload,
+                  progress: bool) -> tuple[list[Any], dict[str, Any]]:
+    """One pass of ``work`` through the offline engine as the command line sets it up."""
+    from pagoda.bench.runner_offline import run_offline
+
+    return run_offline(llm, work, args.request_rate, args.max_concurrency, args.seed, progress)
 
 
 @dataclass(frozen=True)
@@ -505,7 +507,7 @@ def _vllm_rounds(args: argparse.Namespace, llm: Any, work: Workload, model_dir: 
     round r on the workload salted past every salt the online rounds used, so that a
     machine whose speed drifts over minutes weighs on both engines alike."""
     from pagoda.bench.baseline_vllm import vllm_session
-    from pagoda.bench.runner_offline import BS1_OUTPUT, bs1_probe, run_offline
+    from pagoda.bench.runner_offline import BS1_OUTPUT, bs1_probe
     from pagoda.bench.stats import summarize
 
     vocab_size = llm.engine.model_config.vocab_size
@@ -513,8 +515,7 @@ def _vllm_rounds(args: argparse.Namespace, llm: Any, work: Workload, model_dir: 
     salted = [work.salted(first_salt + r - 1, vocab_size) for r in range(1, args.vllm_rounds)]
 
     def pagoda_pass(w: Workload) -> tuple[float, float | None]:
-        records, scheduler = run_offline(llm, w, args.request_rate, args.max_concurrency,
-                                         args.seed, progress)
+        records, scheduler = _offline_pass(args, llm, w, progress)
         return float(summarize(records)["output_tok_s"]), scheduler["prefix_cache_hits"]
 
     with vllm_session(model_dir, work, dtype, llm.engine.max_model_len, bs1_probe(work),
