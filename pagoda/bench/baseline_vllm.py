@@ -54,15 +54,36 @@ def preloads() -> list[str]:
     return found
 
 
+def _stop(process: subprocess.Popen[bytes], timeout: float) -> None:
+    """Wait up to ``timeout`` seconds for the runner to exit, then kill it; reaped."""
+    try:
+        process.wait(timeout=max(0.0, timeout))
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 class VllmSession:
-    """A vLLM runner whose first pass is done (``figures``), up for more passes."""
+    """A launched vLLM runner: it owns the process and its two pipes (None without
+    rounds); ``figures`` are its first pass's once ``start`` returns."""
 
     def __init__(self, process: subprocess.Popen[bytes], commands: IO[str] | None,
-                 replies: IO[str] | None, log: Path, figures: dict[str, Any],
-                 deadline: float) -> None:
+                 replies: IO[str] | None, log: Path, deadline: float) -> None:
         self._process, self._commands, self._replies = process, commands, replies
         self._log, self._deadline = log, deadline
-        self.figures = figures
+        self.figures: dict[str, Any] = {}
+
+    def start(self, result: Path) -> None:
+        """Until the first pass and batch-1 probe are done: the runner reports ready
+        (rounds) or exits (without); its figures are then read from ``result``."""
+        if self._commands is not None:
+            if not self._read_reply().get("ready"):
+                raise RuntimeError("vLLM runner did not report ready")
+        else:
+            _stop(self._process, self._deadline - time.monotonic())
+            if self._process.returncode != 0:
+                raise self._failure()
+        self.figures = json.loads(result.read_text())
 
     def run_round(self, r: int) -> dict[str, Any]:
         """Round r's pass (the workload's r-th salted copy): its wall time, output tokens
@@ -71,46 +92,40 @@ class VllmSession:
             raise RuntimeError("this vLLM session was started without rounds")
         self._commands.write(f"{r}\n")
         self._commands.flush()
-        reply = _read_reply(self._replies, self._process, self._log, self._deadline)
+        reply = self._read_reply()
         if reply.get("round") != r:
             raise RuntimeError(f"vLLM runner answered {reply} to round {r}")
         return reply
 
-    def close(self) -> None:
+    def close(self, graceful: bool) -> None:
+        """Ends the runner: told to stop and waited for (``graceful``), else killed."""
         if self._commands is not None:
             try:
-                self._commands.write("stop\n")
+                if graceful:
+                    self._commands.write("stop\n")
                 self._commands.close()
             except OSError:  # the runner is gone already: its exit status says why
                 pass
         if self._replies is not None:
             self._replies.close()
-        try:
-            self._process.wait(timeout=max(1.0, self._deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            self._process.kill()
-            self._process.wait()
+        _stop(self._process, max(1.0, self._deadline - time.monotonic()) if graceful else 0.0)
 
+    def _failure(self) -> RuntimeError:
+        log = self._log
+        tail = log.read_text(encoding="utf-8", errors="replace")[-3000:] if log.exists() else ""
+        return RuntimeError(f"vLLM baseline failed (exit {self._process.returncode}): {tail}")
 
-def _failure(process: subprocess.Popen[bytes], log: Path) -> RuntimeError:
-    tail = log.read_text(encoding="utf-8", errors="replace")[-3000:] if log.exists() else ""
-    return RuntimeError(f"vLLM baseline failed (exit {process.returncode}): {tail}")
-
-
-def _read_reply(replies: IO[str] | None, process: subprocess.Popen[bytes], log: Path,
-                deadline: float) -> dict[str, Any]:
-    """The runner's next line, within the deadline; its death or a wrong line raises."""
-    assert replies is not None
-    left = deadline - time.monotonic()
-    ready, _, _ = select.select([replies], [], [], max(0.0, left))
-    line = replies.readline() if ready else ""
-    if not line:
-        if not ready:
-            process.kill()
-        process.wait()
-        raise _failure(process, log)
-    message: dict[str, Any] = json.loads(line)
-    return message
+    def _read_reply(self) -> dict[str, Any]:
+        """The runner's next line, within the deadline; its death or a wrong line raises."""
+        assert self._replies is not None
+        left = self._deadline - time.monotonic()
+        ready, _, _ = select.select([self._replies], [], [], max(0.0, left))
+        line = self._replies.readline() if ready else ""
+        if not line:  # EOF: the runner is exiting; no line in time: it is stuck
+            _stop(self._process, left if ready else 0.0)
+            raise self._failure()
+        message: dict[str, Any] = json.loads(line)
+        return message
 
 
 @contextmanager
@@ -159,33 +174,15 @@ def vllm_session(model_dir: str, work: Workload, dtype: str, max_model_len: int,
                                        stderr=subprocess.STDOUT, pass_fds=child_fds)
         for fd in child_fds:  # the child's ends: closed here, so its exit reads as EOF
             os.close(fd)
-        session = None
+        session = VllmSession(process, commands, replies, log, deadline)
         try:
-            if rounds:
-                if not _read_reply(replies, process, log, deadline).get("ready"):
-                    raise RuntimeError("vLLM runner did not report ready")
-            else:
-                try:
-                    process.wait(timeout=max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
-                if process.returncode != 0:
-                    raise _failure(process, log)
-            figures: dict[str, Any] = json.loads(result.read_text())
-            figures["ld_preload"] = env.get("LD_PRELOAD")
-            session = VllmSession(process, commands, replies, log, figures, deadline)
+            session.start(result)
+            session.figures["ld_preload"] = env.get("LD_PRELOAD")
             yield session
-        finally:
-            if session is not None:
-                session.close()
-            else:
-                for pipe in (commands, replies):
-                    if pipe is not None:
-                        pipe.close()
-                if process.poll() is None:
-                    process.kill()
-                    process.wait()
+        except BaseException:
+            session.close(graceful=False)
+            raise
+        session.close(graceful=True)
 
 
 def run_vllm_baseline(model_dir: str, work: Workload, dtype: str, max_model_len: int,
