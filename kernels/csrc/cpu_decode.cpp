@@ -183,7 +183,7 @@ struct Decode {
       }
       // start is a multiple of block_size, so the block's tokens sit at pos..pos + n
       fn(cache + here, BlockView{std::min(s.block_size, end - j * s.block_size),
-                                 j * s.block_size - start, next, far});
+                                 j * s.block_size - start, next, far, s.twin_l2});
     }
   }
 
@@ -331,6 +331,7 @@ void decode_typed(const Args& a, const std::vector<int64_t>& lens) {
   s.max_blocks = a.block_tables.size(1);
   s.window = a.window;
   s.softcap = static_cast<float>(a.softcap);
+  s.twin_l2 = twin_prefetch_into_l2();
   const I* tables = a.block_tables.data_ptr<I>();
   choose_partitions(s, check_tables(tables, lens, s, a.k_cache.size(0)), a.partition_size);
 
@@ -395,6 +396,9 @@ bool uses_avx2() {
 #endif
 }
 
+// Whether the AVX-512 kernels put the next block's rows into L2 (twin_prefetch_into_l2).
+bool twin_prefetch_l2() { return twin_prefetch_into_l2(); }
+
 }  // namespace
 
 // The namespace is a macro so a variant build (tests of the portable path) registers apart.
@@ -406,4 +410,5 @@ PAGODA_LIBRARY(PAGODA_OP_NS, m) {
         &decode);
   m.def("uses_avx512() -> bool", &uses_avx512);
   m.def("uses_avx2() -> bool", &uses_avx2);
+  m.def("twin_prefetch_l2() -> bool", &twin_prefetch_l2);
 }

@@ -40,6 +40,7 @@ struct Shape {
   int64_t num_parts, part_tokens;  // partitions per sequence, tokens per partition
   int64_t window;                  // > 0: a sequence attends to its last `window` keys only
   float softcap;                   // > 0: scores -> softcap * tanh(scores / softcap)
+  bool twin_l2;                    // see twin_prefetch_into_l2
 };
 
 // One block's share of an item: tokens [0, n) of a block whose rows ([block_size,
@@ -53,6 +54,7 @@ struct BlockView {
   // elements from this block to the one after the next (0: none): the AVX2 kernels
   // prefetch each row's twin there into L2 as well
   int64_t far_delta;
+  bool twin_l2;  // the AVX-512 kernels' twins go into L2, not L1 (twin_prefetch_into_l2)
 };
 
 // One sequence's query rows, [num_heads, D], as the block kernels take them.
@@ -75,8 +77,12 @@ struct Query {
 // from randomly placed blocks and ~1.03x from adjacent ones (a whole batch-54 step
 // 1.02x); prefetching into L1 or 3-4 blocks on gained less. fp32 caches prefetch the
 // block two on whole instead (cpu_decode.cpp, kWholeFar).
+//
+// twin_l2 (the AVX-512 kernels, where twin_prefetch_into_l2 says so): the twins go into L2
+// (prefetcht1) instead.
 template <typename T>
-inline void prefetch_twin(const T* row, int64_t next_delta, int64_t far_delta = 0) {
+inline void prefetch_twin(const T* row, int64_t next_delta, int64_t far_delta = 0,
+                          bool twin_l2 = false) {
   if (far_delta != 0) {
     const char* far = reinterpret_cast<const char*>(row + far_delta);
     for (int64_t off = 0; off < 64 * static_cast<int64_t>(sizeof(T)); off += 64)
@@ -84,8 +90,30 @@ inline void prefetch_twin(const T* row, int64_t next_delta, int64_t far_delta = 
   }
   if (next_delta == 0) return;
   const char* p = reinterpret_cast<const char*>(row + next_delta);
-  for (int64_t off = 0; off < 64 * static_cast<int64_t>(sizeof(T)); off += 64)
-    prefetch_read<3>(p + off);  // a loop of prefetches only: see cpu_scalar.h
+  for (int64_t off = 0; off < 64 * static_cast<int64_t>(sizeof(T)); off += 64) {
+    if (twin_l2) prefetch_read<2>(p + off);
+    else prefetch_read<3>(p + off);  // a loop of prefetches only: see cpu_scalar.h
+  }
+}
+
+// Whether the AVX-512 kernels prefetch the next block's rows into L2 rather than L1: on
+// AMD (Zen 4), where into L1 the twins held K/V reads to half the bandwidth. One A/B
+// process on a 2-core Zen 4 EPYC (30 layers of KV on huge pages, batch 45 x 400 keys):
+// into L2 a step's decode attention took 15.9 instead of 23.9 ms in bf16 (1.50x) and
+// 26.9 instead of 47.2 in fp32 (1.72x) over adjacent blocks, 1.64x and 1.41x over
+// randomly placed ones; prefetcht2 gained a little less (1.48x, 1.51x), the block two on
+// (into L2, twins or whole blocks) no more. Intel CPUs keep L1, where it measured 8-19 %
+// faster over randomly placed blocks (commit 4f1b2e2, on the AVX512-BF16 box of the day). PAGODA_TWIN_PREFETCH_L2=0 or 1
+// builds either choice anywhere (A/B).
+inline bool twin_prefetch_into_l2() {
+#if defined(PAGODA_TWIN_PREFETCH_L2)
+  return PAGODA_TWIN_PREFETCH_L2 != 0;
+#elif defined(__x86_64__)
+  static const bool amd = __builtin_cpu_is("amd");
+  return amd;
+#else
+  return false;
+#endif
 }
 
 #if defined(PAGODA_AVX512) || defined(PAGODA_DECODE_AVX2)
@@ -142,7 +170,7 @@ void scores_tile(const Shape& s, const T* k, BlockView bv, const float* q, float
       }
       for (int64_t t = 0; t < nt; ++t) {
         const T* kt = k + (t0 + t) * s.row_stride + d0;
-        prefetch_twin(kt, bv.next_delta);
+        prefetch_twin(kt, bv.next_delta, 0, bv.twin_l2);
         __m512 kc[4];
         for (int c = 0; c < 4; ++c) kc[c] = load16(kt + 16 * c, m[c]);
         for (int i = 0; i < GT; ++i) {
@@ -173,7 +201,7 @@ void accumulate_tile(const Shape& s, const T* v, BlockView bv, const float* p, f
     }
     for (int64_t t = 0; t < bv.n; ++t) {
       const T* vt = v + t * s.row_stride + d0;
-      prefetch_twin(vt, bv.next_delta);
+      prefetch_twin(vt, bv.next_delta, 0, bv.twin_l2);
       __m512 w[GT];
       for (int i = 0; i < GT; ++i) w[i] = _mm512_set1_ps(pt[i * s.part_tokens + t]);
       for (int c = 0; c < 4; ++c) {
@@ -213,7 +241,7 @@ void scores_tile_bf16(const Shape& s, const uint16_t* k, BlockView bv, const uin
       }
       for (int64_t t = 0; t < nt; ++t) {
         const uint16_t* kt = k + (t0 + t) * s.row_stride + d0;
-        prefetch_twin(kt, bv.next_delta);
+        prefetch_twin(kt, bv.next_delta, 0, bv.twin_l2);
         const __m512bh k0 = (__m512bh)_mm512_maskz_loadu_epi16(m0, kt);
         const __m512bh k1 = (__m512bh)_mm512_maskz_loadu_epi16(m1, kt + 32);
         for (int i = 0; i < GT; ++i)
@@ -258,7 +286,7 @@ void accumulate_tile_bf16(const Shape& s, const uint16_t* v, BlockView bv, const
       }
     for (int64_t t = 0; t < bv.n; ++t) {
       const uint16_t* vt = v + t * s.row_stride + d0;
-      prefetch_twin(vt, bv.next_delta);
+      prefetch_twin(vt, bv.next_delta, 0, bv.twin_l2);
       __m512 w[GT];
       for (int i = 0; i < GT; ++i) w[i] = _mm512_set1_ps(pt[i * s.part_tokens + t]);
       for (int c = 0; c < 2; ++c) {

@@ -292,3 +292,26 @@ def test_avx512_without_bf16_build() -> None:
     assert ops.uses_avx512()
     _check_build(ops, "avx512 without bf16", [(9, 3, 64, 16), (8, 2, 40, 32), (4, 4, 136, 16),
                                               (10, 2, 64, 16)])
+
+
+def _cpu_vendor() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("vendor_id"):
+            return line.split(":", 1)[1].strip()
+    return ""
+
+
+@pytest.mark.slow
+def test_twin_prefetch_level_builds() -> None:
+    """The AVX-512 kernels prefetch the next block's rows into L2 on AMD, into L1
+    elsewhere; the other choice, forced by a define, computes the same."""
+    ops = getattr(torch.ops, cpu_decode.OP_NAMESPACE)
+    if not ops.uses_avx512():
+        pytest.skip("no AVX-512 on this machine: the twins' level is the AVX-512 kernels'")
+    assert ops.twin_prefetch_l2() == (_cpu_vendor() == "AuthenticAMD")
+    other = int(not ops.twin_prefetch_l2())
+    namespace = f"pagoda_cpu_decode_twin_l2_{other}"
+    cpu_decode.build_library(namespace, defines=(f"PAGODA_TWIN_PREFETCH_L2={other}",))
+    forced = getattr(torch.ops, namespace)
+    assert forced.twin_prefetch_l2() == bool(other)
+    _check_build(forced, f"twins into L{2 if other else 1}", [(9, 3, 64, 16), (8, 2, 40, 32)])
