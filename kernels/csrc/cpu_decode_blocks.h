@@ -102,9 +102,10 @@ inline void prefetch_twin(const T* row, int64_t next_delta, int64_t far_delta = 
 // into L2 a step's decode attention took 15.9 instead of 23.9 ms in bf16 (1.50x) and
 // 26.9 instead of 47.2 in fp32 (1.72x) over adjacent blocks, 1.64x and 1.41x over
 // randomly placed ones; prefetcht2 gained a little less (1.48x, 1.51x), the block two on
-// (into L2, twins or whole blocks) no more. Intel CPUs keep L1, where it measured 8-19 %
-// faster over randomly placed blocks (commit 4f1b2e2, on the AVX512-BF16 box of the day). PAGODA_TWIN_PREFETCH_L2=0 or 1
-// builds either choice anywhere (A/B).
+// (into L2, twins or whole blocks) no more. Other CPUs keep L1, which measured 8-19 %
+// faster than L2 over randomly placed blocks on the AVX512-BF16 box of commit 4f1b2e2
+// (its vendor not recorded). PAGODA_TWIN_PREFETCH_L2=0 or 1 builds either choice
+// anywhere, for the A/B on a new kind of CPU.
 inline bool twin_prefetch_into_l2() {
 #if defined(PAGODA_TWIN_PREFETCH_L2)
   return PAGODA_TWIN_PREFETCH_L2 != 0;
