@@ -183,7 +183,7 @@ struct Decode {
       }
       // start is a multiple of block_size, so the block's tokens sit at pos..pos + n
       fn(cache + here, BlockView{std::min(s.block_size, end - j * s.block_size),
-                                 j * s.block_size - start, next, far, s.twin_l2});
+                                 j * s.block_size - start, next, far});
     }
   }
 

@@ -54,7 +54,6 @@ struct BlockView {
   // elements from this block to the one after the next (0: none): the AVX2 kernels
   // prefetch each row's twin there into L2 as well
   int64_t far_delta;
-  bool twin_l2;  // the AVX-512 kernels' twins go into L2, not L1 (twin_prefetch_into_l2)
 };
 
 // One sequence's query rows, [num_heads, D], as the block kernels take them.
@@ -171,7 +170,7 @@ void scores_tile(const Shape& s, const T* k, BlockView bv, const float* q, float
       }
       for (int64_t t = 0; t < nt; ++t) {
         const T* kt = k + (t0 + t) * s.row_stride + d0;
-        prefetch_twin(kt, bv.next_delta, 0, bv.twin_l2);
+        prefetch_twin(kt, bv.next_delta, 0, s.twin_l2);
         __m512 kc[4];
         for (int c = 0; c < 4; ++c) kc[c] = load16(kt + 16 * c, m[c]);
         for (int i = 0; i < GT; ++i) {
@@ -202,7 +201,7 @@ void accumulate_tile(const Shape& s, const T* v, BlockView bv, const float* p, f
     }
     for (int64_t t = 0; t < bv.n; ++t) {
       const T* vt = v + t * s.row_stride + d0;
-      prefetch_twin(vt, bv.next_delta, 0, bv.twin_l2);
+      prefetch_twin(vt, bv.next_delta, 0, s.twin_l2);
       __m512 w[GT];
       for (int i = 0; i < GT; ++i) w[i] = _mm512_set1_ps(pt[i * s.part_tokens + t]);
       for (int c = 0; c < 4; ++c) {
@@ -242,7 +241,7 @@ void scores_tile_bf16(const Shape& s, const uint16_t* k, BlockView bv, const uin
       }
       for (int64_t t = 0; t < nt; ++t) {
         const uint16_t* kt = k + (t0 + t) * s.row_stride + d0;
-        prefetch_twin(kt, bv.next_delta, 0, bv.twin_l2);
+        prefetch_twin(kt, bv.next_delta, 0, s.twin_l2);
         const __m512bh k0 = (__m512bh)_mm512_maskz_loadu_epi16(m0, kt);
         const __m512bh k1 = (__m512bh)_mm512_maskz_loadu_epi16(m1, kt + 32);
         for (int i = 0; i < GT; ++i)
@@ -287,7 +286,7 @@ void accumulate_tile_bf16(const Shape& s, const uint16_t* v, BlockView bv, const
       }
     for (int64_t t = 0; t < bv.n; ++t) {
       const uint16_t* vt = v + t * s.row_stride + d0;
-      prefetch_twin(vt, bv.next_delta, 0, bv.twin_l2);
+      prefetch_twin(vt, bv.next_delta, 0, s.twin_l2);
       __m512 w[GT];
       for (int i = 0; i < GT; ++i) w[i] = _mm512_set1_ps(pt[i * s.part_tokens + t]);
       for (int c = 0; c < 2; ++c) {

@@ -27,14 +27,25 @@ TOLERANCES = {
 }
 
 
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags (``/proc/cpuinfo``); skips the test where it cannot be read."""
+def _cpuinfo_field(name: str) -> str:
+    """The first ``name`` line's value in ``/proc/cpuinfo`` ("" if none); skips the test
+    where the file cannot be read."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         pytest.skip("no /proc/cpuinfo")
-    line = re.search(r"^flags\s*:(.*)$", text, re.MULTILINE)
-    return set(line.group(1).split()) if line else set()
+    line = re.search(rf"^{name}\s*:(.*)$", text, re.MULTILINE)
+    return line.group(1).strip() if line else ""
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (``/proc/cpuinfo``)."""
+    return set(_cpuinfo_field("flags").split())
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor id (``/proc/cpuinfo``), e.g. AuthenticAMD, GenuineIntel."""
+    return _cpuinfo_field("vendor_id")
 
 
 def device() -> torch.device:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernel_cases import assert_close, block_tables_for, cpu_flags, paged_cache
+from kernel_cases import assert_close, block_tables_for, cpu_flags, cpu_vendor, paged_cache
 from kernels import cpu_decode, reference
 from kernels.cpu_extension import LazyExtension
 
@@ -294,13 +294,6 @@ def test_avx512_without_bf16_build() -> None:
                                               (10, 2, 64, 16)])
 
 
-def _cpu_vendor() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("vendor_id"):
-            return line.split(":", 1)[1].strip()
-    return ""
-
-
 @pytest.mark.slow
 def test_twin_prefetch_level_builds() -> None:
     """The AVX-512 kernels prefetch the next block's rows into L2 on AMD, into L1
@@ -308,7 +301,7 @@ def test_twin_prefetch_level_builds() -> None:
     ops = getattr(torch.ops, cpu_decode.OP_NAMESPACE)
     if not ops.uses_avx512():
         pytest.skip("no AVX-512 on this machine: the twins' level is the AVX-512 kernels'")
-    assert ops.twin_prefetch_l2() == (_cpu_vendor() == "AuthenticAMD")
+    assert ops.twin_prefetch_l2() == (cpu_vendor() == "AuthenticAMD")
     other = int(not ops.twin_prefetch_l2())
     namespace = f"pagoda_cpu_decode_twin_l2_{other}"
     cpu_decode.build_library(namespace, defines=(f"PAGODA_TWIN_PREFETCH_L2={other}",))
