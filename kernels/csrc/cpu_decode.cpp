@@ -187,9 +187,10 @@ struct Decode {
     }
   }
 
-  // `next_item`: the item this thread runs next (-1: none), whose first K block the last
-  // V block prefetches.
-  void run_item(int64_t item, int64_t next_item, Scratch& w) const {
+  // `claim_next()`: claims the item this thread runs next (-1: none), whose first K
+  // block the last V block prefetches; called once, as the V pass starts.
+  template <typename Claim>
+  void run_item(int64_t item, Claim&& claim_next, Scratch& w) const {
     const int64_t H = s.num_heads, D = s.head_dim;
     const int64_t part = item % s.num_parts;
     int64_t b, start, end;
@@ -218,7 +219,7 @@ struct Decode {
     for (int64_t h = 0; h < H; ++h)  // softmax numerators in place
       softmax_numerators(sc + h * s.part_tokens, n, row_max[h], row_sum[h]);
     std::fill(acc, acc + H * D, 0.0f);
-    for_each_block(v_cache, b, start, end, first_block(k_cache, next_item),
+    for_each_block(v_cache, b, start, end, first_block(k_cache, claim_next()),
                    [&](const T* rows, BlockView bv) { block_accumulate(s, rows, bv, sc, acc); });
     for (int64_t h = 0; h < H; ++h) {
       const float inv = 1.0f / row_sum[h];
@@ -254,9 +255,15 @@ struct Decode {
   }
 };
 
-// Runs body(item, next, scratch) for items [0, num_items) on torch's intra-op pool; each
-// thread pulls items from a shared counter one ahead, so `next` (-1: none) is the item
-// it runs after this one, whose first blocks this one's last can prefetch.
+// Runs body(item, claim_next, scratch) for items [0, num_items) on torch's intra-op
+// pool; each thread pulls items from a shared counter, the next one claimed while the
+// current one runs: `claim_next()` (at most once; -1: none left) returns the item this
+// thread runs after this one, whose first blocks this one's last can prefetch. A body
+// that does not call it has its next item claimed when it returns. Claiming as an item
+// starts instead held two items per thread from the outset: at 2 threads a batch of 2
+// sequences (or one in 2 partitions) ran on one core while the other found none left
+// (Zen 4, bf16, batch 2 x 128 keys over 30 layers: 1.54x faster claimed this way; batch
+// 45 x 400 level).
 template <typename Body>
 void for_each_item(int64_t num_items, const Shape& s, const Body& body) {
   std::atomic<int64_t> next{0};
@@ -264,8 +271,17 @@ void for_each_item(int64_t num_items, const Shape& s, const Body& body) {
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     Scratch w(s);
     for (int64_t i = next.fetch_add(1); i < num_items;) {
-      const int64_t j = next.fetch_add(1);
-      body(i, j < num_items ? j : -1, w);
+      int64_t j = -1;
+      bool claimed = false;
+      const auto claim_next = [&]() -> int64_t {
+        if (!claimed) {
+          j = next.fetch_add(1);
+          claimed = true;
+        }
+        return j < num_items ? j : -1;
+      };
+      body(i, claim_next, w);
+      if (!claimed) claim_next();
       i = j;
     }
   });
@@ -352,10 +368,12 @@ void decode_typed(const Args& a, const std::vector<int64_t>& lens) {
                          s.num_parts > 1 ? part_out.data_ptr<float>() : nullptr,
                          s.num_parts > 1 ? part_lse.data_ptr<float>() : nullptr};
   for_each_item(s.batch * s.num_parts, s,
-                [&](int64_t item, int64_t next, Scratch& w) { dec.run_item(item, next, w); });
+                [&](int64_t item, const auto& claim_next, Scratch& w) {
+                  dec.run_item(item, claim_next, w);
+                });
   if (s.num_parts > 1) {
     for_each_item(s.batch * s.num_heads, s,
-                  [&](int64_t row, int64_t, Scratch& w) { dec.merge_row(row, w.acc.data()); });
+                  [&](int64_t row, const auto&, Scratch& w) { dec.merge_row(row, w.acc.data()); });
   }
 }
 
