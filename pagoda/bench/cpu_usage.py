@@ -35,7 +35,7 @@ def role_of(child: str) -> str:
 
 class CpuMeter:
     """CPU seconds each role took between ``start()`` and ``stop()``; the client is this
-    process (every thread of it: the asyncio driver, httpx, the metrics scraper)."""
+    process (every thread of it: the asyncio driver, the HTTP client, the metrics scraper)."""
 
     def __init__(self, pids: Mapping[str, int]) -> None:
         self.pids = dict(pids)

@@ -1,15 +1,17 @@
 """``pagoda bench`` end to end on a tiny random model (offline), and the HTTP sender's
-stream accounting against a fake server."""
+stream accounting against a small aiohttp server that streams canned SSE."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import math
+import socket
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-import httpx
 import pytest
+from aiohttp import web
 
 from pagoda.bench.runner_online import HttpSender, run_online
 from pagoda.bench.workload import Workload
@@ -173,31 +175,52 @@ def test_vllm_runs_the_same_requests_to_the_same_tokens(tmp_path: Path) -> None:
     assert figures["token_ids"] == [o.outputs[0].token_ids for o in ours]
 
 
-def test_http_sender_counts_tokens_from_the_stream() -> None:
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+async def _run_against(handler: Handler, work: Workload) -> list:  # type: ignore[type-arg]
+    """``run_online`` with an ``HttpSender`` against a local server answering
+    ``POST /v1/completions`` with ``handler``."""
+    app = web.Application()
+    app.router.add_post("/v1/completions", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    await web.SockSite(runner, sock).start()
+    sender = HttpSender(f"http://127.0.0.1:{sock.getsockname()[1]}/v1")
+    try:
+        return await run_online(sender, work, progress=False)
+    finally:
+        await sender.aclose()
+        await runner.cleanup()
+
+
+@pytest.mark.parametrize("newline", ["\n", "\r\n"])
+def test_http_sender_counts_tokens_from_the_stream(newline: str) -> None:
     """Text chunks count one token each; the usage chunk corrects the total (a held-back
-    token lands on the last delta); the request body asks for exact greedy output."""
+    token lands on the last delta); events split across network writes, and CRLF line
+    ends, read the same; the request body asks for exact greedy output."""
     bodies: list[dict[str, object]] = []
 
-    def handler(request: httpx.Request) -> httpx.Response:
-        bodies.append(json.loads(request.content))
+    async def handler(request: web.Request) -> web.StreamResponse:
+        bodies.append(await request.json())
         events = [{"choices": [{"index": 0, "text": "a", "finish_reason": None}]},
                   {"choices": [{"index": 0, "text": "", "finish_reason": None}]},
                   {"choices": [{"index": 0, "text": "bc", "finish_reason": None}]},
                   {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]},
                   {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4}}]
-        sse = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
-        return httpx.Response(200, content=sse.encode(), headers={"content-type": "text/event-stream"})
+        sse = "".join(f"data: {json.dumps(e)}{newline}{newline}" for e in events)
+        sse = (sse + f"data: [DONE]{newline}{newline}").encode()
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        for at in range(0, len(sse), 37):  # pieces that cut events and lines anywhere
+            await response.write(sse[at:at + 37])
+            await asyncio.sleep(0)
+        await response.write_eof()
+        return response
 
-    async def go() -> list:  # type: ignore[type-arg]
-        sender = HttpSender("http://fake/v1")
-        await sender.client.aclose()
-        sender.client = httpx.AsyncClient(base_url="http://fake/v1", transport=httpx.MockTransport(handler))
-        try:
-            return await run_online(sender, Workload([[5, 6, 7]], [4]), progress=False)
-        finally:
-            await sender.aclose()
-
-    (rec,) = asyncio.run(go())
+    (rec,) = asyncio.run(_run_against(handler, Workload([[5, 6, 7]], [4])))
     assert rec.ok and rec.num_output_tokens == 4
     assert [n for _, n in rec.chunks] == [1, 1, 2]
     assert bodies[0]["prompt"] == [5, 6, 7] and bodies[0]["max_tokens"] == 4
@@ -206,20 +229,25 @@ def test_http_sender_counts_tokens_from_the_stream() -> None:
 
 
 def test_http_sender_records_a_refused_request() -> None:
-    def handler(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(503, json={"error": {"message": "overloaded"}})
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return web.json_response({"error": {"message": "overloaded"}}, status=503)
 
-    async def go() -> list:  # type: ignore[type-arg]
-        sender = HttpSender("http://fake/v1")
-        await sender.client.aclose()
-        sender.client = httpx.AsyncClient(base_url="http://fake/v1", transport=httpx.MockTransport(handler))
-        try:
-            return await run_online(sender, Workload([[5], [6]], [2, 2]), progress=False)
-        finally:
-            await sender.aclose()
-
-    records = asyncio.run(go())
+    records = asyncio.run(_run_against(handler, Workload([[5], [6]], [2, 2])))
     assert all(not r.ok and "503" in (r.error or "") for r in records)
+
+
+def test_http_sender_raises_on_a_stream_error_event() -> None:
+    """An error event in the stream (a server that fails mid-way) fails the request."""
+    async def handler(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b'data: {"choices": [{"index": 0, "text": "a", "finish_reason": null}]}\n\n')
+        await response.write(b'data: {"error": {"message": "engine died"}}\n\n')
+        await response.write_eof()
+        return response
+
+    (rec,) = asyncio.run(_run_against(handler, Workload([[5]], [3])))
+    assert not rec.ok and "engine died" in (rec.error or "")
 
 
 def test_online_beside_offline_serves_the_same_requests(tiny_smollm_dir: Path, tmp_path: Path,
