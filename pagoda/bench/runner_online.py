@@ -69,10 +69,10 @@ class HttpSender:
     """Streams completions from an OpenAI-compatible server at ``base_url`` (…/v1).
 
     Through aiohttp, as vLLM's serving benchmark does: the client shares the machine with
-    the server it measures, and per streamed token it takes 25-31 us of CPU where httpx
-    took 55-74 (a 2-core Zen 4, 64 streams of 128 tokens from ``pagoda serve``); the
-    server's side of the same runs finished 3-5 % sooner. The session is made in the
-    event loop of the first request, and closed by ``aclose`` in the same loop.
+    the server it measures, and per streamed token it takes 26-33 us of CPU where httpx
+    took 46-74 (a 2-core Zen 4, 64 streams of 128-256 tokens from ``pagoda serve``); the
+    same runs finished 1-5 % sooner. The session is made in the event loop of the first
+    request, and closed by ``aclose`` in the same loop.
     """
 
     def __init__(self, base_url: str, model: str | None = None) -> None:
