@@ -96,11 +96,14 @@ def decode_layers(
     num_decodes: int | None = None,  # the first sequences, one token each; None: all S
     prefill_first: int = 0,  # the first token of the prefill chunks (those after them)
     prefill_starts: torch.Tensor | None = None,  # their query_start_loc, less prefill_first
+    output_rows: torch.Tensor | None = None,  # [R] int64: the rows kept of the output
 ) -> tuple[torch.Tensor, torch.Tensor]:  # the last MLP's output, the residual before it
     """Every layer of one step; what the model's loop hands its final norm. The decodes'
     attention runs ``cpu_decode``, the prefill chunks' ``cpu_prefill`` (as the ``cpu``
-    attention backend splits them). Raises RuntimeError when an extension did not build
-    (check ``available()`` first), and what the ops raise on bad input (ValueError)."""
+    attention backend splits them). ``output_rows``: only those rows of both outputs, the
+    last layer's o projection and MLP run for them alone (every token's K/V is still
+    written). Raises RuntimeError when an extension did not build (check ``available()``
+    first), and what the ops raise on bad input (ValueError)."""
     if not available():
         raise RuntimeError("the cpu_decoder extension (or one it calls) did not build")
     op = getattr(torch.ops, OP_NAMESPACE).decode_layers
@@ -112,5 +115,5 @@ def decode_layers(
         cos_cache, sin_cache, slot_mapping, block_tables, seq_lens,
         seq_lens.shape[0] if num_decodes is None else num_decodes, prefill_first,
         prefill_starts, dims.as_list(), eps, scale, cpu_gemm.OP_NAMESPACE,
-        cpu_decode.OP_NAMESPACE, cpu_prefill.OP_NAMESPACE)
+        cpu_decode.OP_NAMESPACE, cpu_prefill.OP_NAMESPACE, output_rows)
     return out

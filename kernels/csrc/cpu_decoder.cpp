@@ -203,6 +203,23 @@ AttentionViews attention_views(const Tensor& attn, const Tensor& q_rot, const Te
   return v;
 }
 
+// The rows the caller keeps of the last layer's output (the sampled tokens'): int64 [R]
+// within [0, T), in any order; the other rows' attention output goes no further (their
+// K and V are written, as every layer's).
+std::optional<Tensor> checked_output_rows(const std::optional<Tensor>& rows, int64_t T) {
+  if (!rows.has_value()) return std::nullopt;
+  check_cpu(*rows, "output_rows");
+  TORCH_CHECK_VALUE(rows->dim() == 1 && rows->scalar_type() == at::kLong,
+                    "output_rows must be a 1-D int64 tensor, got ", rows->sizes(), " ",
+                    rows->scalar_type());
+  const Tensor r = dense(*rows);
+  const int64_t* p = r.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < r.size(0); ++i)
+    TORCH_CHECK_VALUE(p[i] >= 0 && p[i] < T, "output_rows[", i, "] = ", p[i], " outside [0, ",
+                      T, ")");
+  return r;
+}
+
 template <typename T>
 T* mut(const Tensor& t) { return static_cast<T*>(t.mutable_data_ptr()); }
 template <typename T>
@@ -212,6 +229,8 @@ const T* cptr(const Tensor& t) { return static_cast<const T*>(t.const_data_ptr()
 // stream before it): what the Python loop hands the final norm. The norms, rotary and
 // cache writes run the row kernels on buffers allocated here once a step (the residual
 // stream updated in place); the linears and the attention are the registered ops.
+// output_rows (int64 [R]): only those rows of both, in that order, the last layer's o
+// projection and MLP run for them alone (a prefill's other tokens need only their K/V).
 std::tuple<Tensor, Tensor> decode_layers(
     const Tensor& hidden_in, const Tensor& positions, at::TensorList input_norm,
     at::TensorList post_norm, at::TensorList qkv, const OptTensors& qkv_bias,
@@ -222,7 +241,8 @@ std::tuple<Tensor, Tensor> decode_layers(
     const Tensor& slot_mapping, const Tensor& block_tables, const Tensor& seq_lens,
     int64_t num_decodes, int64_t prefill_first, const std::optional<Tensor>& prefill_starts,
     at::IntArrayRef dims_in, double eps_in, double scale, const std::string& gemm_ns,
-    const std::string& decode_ns, const std::string& prefill_ns) {
+    const std::string& decode_ns, const std::string& prefill_ns,
+    const std::optional<Tensor>& output_rows_in) {
   const int64_t L = static_cast<int64_t>(qkv.size());
   for (const size_t n : {input_norm.size(), post_norm.size(), qkv_bias.size(), q_norm.size(),
                          k_norm.size(), o.size(),
@@ -251,6 +271,7 @@ std::tuple<Tensor, Tensor> decode_layers(
   const Tensor hidden0 = dense(hidden_in);
   const RowInputs in = check_rows(hidden0, positions, input_norm, post_norm, q_norm, k_norm,
                                   k_caches, v_caches, cos_cache, sin_cache, slot_mapping, d);
+  const std::optional<Tensor> output_rows = checked_output_rows(output_rows_in, T);
   const Ops ops(gemm_ns, decode_ns, prefill_ns);
   const float eps = static_cast<float>(eps_in);
   // per layer, as the Python loop: a layer's q / k norms are its own
@@ -269,6 +290,7 @@ std::tuple<Tensor, Tensor> decode_layers(
     k_normed = at::empty({T, d.num_kv_heads, d.head_dim}, opts);
   }
   const AttentionViews views = attention_views(attn, q_rot, block_tables, seq_lens, split);
+  Tensor kept_residual;  // the residual stream of the kept rows (output_rows), when given
 
   auto run = [&](auto element, auto position) {
     using E = decltype(element);  // float, or uint16_t for bf16 bits
@@ -314,6 +336,22 @@ std::tuple<Tensor, Tensor> decode_layers(
       if (views.pre_out.defined())
         ops.prefill.call(views.pre_out, views.pre_q, k_caches[l], v_caches[l], *prefill_starts,
                          views.pre_lens, views.pre_tables, scale, 0, 0.0);
+      if (l == L - 1 && output_rows.has_value()) {
+        // the kept rows only, from the o projection on: the rest of the last layer's
+        // output is never read
+        const int64_t R = output_rows->size(0);
+        const Tensor kept_attn = attn_rows.index_select(0, *output_rows);
+        const Tensor kept_stream = (l == 0 ? hidden0 : residual).index_select(0, *output_rows);
+        const Tensor kept_normed = at::empty({R, H}, opts);
+        kept_residual = at::empty({R, H}, opts);
+        const Tensor o_out = ops.linear.call(kept_attn, o[l], d.o_n, o_bias.get(l));
+        pagoda_cpu_rows::rms_norm_rows<E>(mut<E>(kept_normed), mut<E>(kept_residual),
+                                       cptr<E>(o_out), RowLayout{1, H}, cptr<E>(kept_stream),
+                                       cptr<E>(in.post_norm[l]), R, H, eps);
+        const Tensor act =
+            ops.linear_silu.call(kept_normed, gate_up[l], d.act_n, gate_up_bias.get(l));
+        return ops.linear.call(act, down[l], d.down_n, down_bias.get(l));
+      }
       const Tensor o_out = ops.linear.call(attn_rows, o[l], d.o_n, o_bias.get(l));
       pagoda_cpu_rows::rms_norm_rows<E>(mut<E>(normed), res, cptr<E>(o_out), RowLayout{1, H},
                                      stream, cptr<E>(in.post_norm[l]), T, H, eps);
@@ -328,7 +366,7 @@ std::tuple<Tensor, Tensor> decode_layers(
   Tensor hidden;
   if (bf16) hidden = pos64 ? run(uint16_t{}, int64_t{}) : run(uint16_t{}, int32_t{});
   else hidden = pos64 ? run(float{}, int64_t{}) : run(float{}, int32_t{});
-  return {hidden, residual};
+  return {hidden, output_rows.has_value() ? kept_residual : residual};
 }
 
 }  // namespace
@@ -343,6 +381,7 @@ PAGODA_LIBRARY(PAGODA_OP_NS, m) {
         "Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor cos_cache, Tensor sin_cache, "
         "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, int num_decodes, "
         "int prefill_first, Tensor? prefill_starts, int[] dims, float eps, float scale, "
-        "str gemm_ns, str decode_ns, str prefill_ns) -> (Tensor, Tensor)",
+        "str gemm_ns, str decode_ns, str prefill_ns, Tensor? output_rows=None) "
+        "-> (Tensor, Tensor)",
         &decode_layers);
 }

@@ -211,14 +211,22 @@ class ModelRunner:
                 rows = self._upload(flat.logit_indices)
                 logits = graph_out.logits.index_select(0, rows)
                 argmax = graph_out.argmax.index_select(0, rows)
-        else:
+        elif self._scores_prompt(flat):  # prompt logprobs read every row's hidden state
             hidden = self._forward(flat)
-            prompt_logprobs = (self._prompt_logprobs(flat, hidden)
-                               if self._prompt_logprobs_ids else [])
+            prompt_logprobs = self._prompt_logprobs(flat, hidden)
             # the model's dtype for the sampler; fp32 for a caller that keeps them
             logits = (self.model.compute_logits(
                 hidden.index_select(0, self._upload(flat.logit_indices)), fp32=keep_logits)
                 if flat.sample_rows else None)
+        else:
+            # only the sampled rows come out of the model: a prefill's other tokens skip
+            # the last layer's MLP (a decode step's rows are all sampled: nothing to skip)
+            rows = (None if len(flat.sample_rows) == len(flat.order) == flat.num_decodes
+                    else self._upload(flat.logit_indices))
+            hidden = self._forward(flat, rows)
+            prompt_logprobs = []
+            logits = (self.model.compute_logits(hidden, fp32=keep_logits)
+                      if flat.sample_rows else None)
         for state, n in zip(flat.order, np.diff(flat.query_start_loc).tolist()):
             state.num_computed_tokens += n
         if logits is None or not flat.sample_rows:
@@ -347,8 +355,15 @@ class ModelRunner:
             and not needs_rope_plan(self.model, int(flat.seq_lens.max()))
         )
 
-    def _forward(self, flat: _FlatBatch) -> torch.Tensor:  # [T, hidden]
-        """The eager forward over the step's own varlen tensors."""
+    def _scores_prompt(self, flat: _FlatBatch) -> bool:
+        """Whether a sequence of the step still scores its prompt (prompt logprobs)."""
+        pending = self._prompt_logprobs_ids
+        return bool(pending) and any(s.request_id in pending for s in flat.order)
+
+    def _forward(self, flat: _FlatBatch,
+                 output_rows: torch.Tensor | None = None) -> torch.Tensor:  # [T, hidden]
+        """The eager forward over the step's own varlen tensors (``output_rows``: those
+        rows' hidden states only, [R, hidden])."""
         up = self._upload
         qsl = np.array(flat.query_start_loc, dtype=np.int32)
         ends = flat.seq_lens
@@ -365,7 +380,7 @@ class ModelRunner:
             seq_lens_host=ends.tolist(),
         )
         return self.model(up(flat.input_ids), up(flat.positions), self.kv_caches, meta,
-                          self.backend)
+                          self.backend, output_rows)
 
     def _upload(self, array: np.ndarray) -> torch.Tensor:
         """A host array on the runner's device: on CUDA through pinned memory, without

@@ -96,6 +96,46 @@ def test_steps_bit_identical_to_the_python_loop(
         assert torch.equal(k0, k1) and torch.equal(v0, v1)  # the same cache writes
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("one_call", [True, False], ids=["one-call", "python-loop"])
+@pytest.mark.parametrize("model_fixture", ["tiny_llama_dir", "tiny_qwen3_dir"])
+def test_output_rows_are_those_rows_of_the_whole_forward(
+    model_fixture: str, one_call: bool, dtype: torch.dtype, request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The runner asks the model for the sampled rows only (a prefill's other tokens skip
+    # the last layer's MLP). Oracle: the whole forward of the same step (its K/V writes
+    # are the same values to the same slots), those rows taken after it.
+    model = packed_model(request.getfixturevalue(model_fixture), dtype)
+    if not model.enable_cpu_decoder():
+        pytest.skip("the linears are not packed for cpu_gemm on this CPU (oneDNN: AMX bf16)")
+    if not one_call:
+        model.cpu_decoder_path = None
+    runner = runner_for(model, dtype)
+    forward = runner._forward
+    asked: list[list[int]] = []
+
+    def both(flat, output_rows=None):  # type: ignore[no-untyped-def]
+        kept = forward(flat, output_rows)
+        if output_rows is None:
+            return kept
+        asked.append(output_rows.tolist())
+        whole = forward(flat)
+        assert kept.shape == (len(output_rows), whole.shape[1])
+        assert torch.equal(kept, whole.index_select(0, output_rows))
+        return kept
+
+    monkeypatch.setattr(runner, "_forward", both)
+    driver = PagedDriver(runner, seed=2)
+    gen = torch.Generator().manual_seed(4)
+    for rid, n in {"a": 7, "b": 30, "c": 19}.items():
+        driver.add(rid, torch.randint(3, 500, (n,), generator=gen).tolist())
+    # prefills (b chunked: no row of it samples), a mixed step, decodes
+    for step in [{"a": 7, "b": 12}, {"a": 1, "b": 18, "c": 19}, {"a": 1, "b": 1, "c": 1}]:
+        driver.step(step)
+    assert asked == [[6], [0, 18, 37]]  # the decode-only step keeps every row: none asked
+
+
 def test_models_and_settings_it_does_not_cover(tmp_path: Path, tiny_llama_dir: Path) -> None:
     # sandwich norms, soft cap and windows (Gemma 2); unpacked linears; an unfused norm
     gemma = make_checkpoint(tmp_path / "gemma2", "gemma2", seed=1)
@@ -130,6 +170,11 @@ def test_bad_input_raises_value_error(tiny_llama_dir: Path) -> None:
     with pytest.raises(ValueError, match="per-layer list"):
         cpu_decoder.decode_layers(hidden, torch.tensor([3]), path.weights, path.dims, ks[:1],
                                   vs, *args, **good, eps=path.eps, scale=path.scale)
+    for rows in (torch.tensor([1]), torch.tensor([-1]), torch.tensor([0], dtype=torch.int32)):
+        with pytest.raises(ValueError, match="output_rows"):
+            cpu_decoder.decode_layers(hidden, torch.tensor([3]), path.weights, path.dims, ks,
+                                      vs, *args, **good, eps=path.eps, scale=path.scale,
+                                      output_rows=rows)
     with pytest.raises(ValueError):  # a slot past the cache: the KV write's own check
         cpu_decoder.decode_layers(hidden, torch.tensor([3]), path.weights, path.dims, ks, vs,
                                   *args, slot_mapping=torch.tensor([64 * 16]),

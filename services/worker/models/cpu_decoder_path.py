@@ -112,8 +112,10 @@ class CpuDecoderPath:
                 and kv_caches[0][0].dtype in (self.dtype, torch.bfloat16))
 
     def run(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-            meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the last layer's output, the residual stream), as the Python loop leaves them."""
+            meta: AttentionMetadata, output_rows: torch.Tensor | None = None,
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the last layer's output, the residual stream), as the Python loop leaves them;
+        ``output_rows``: only those rows, as the loop's with the same rows."""
         nd, first, starts = meta.num_decodes, 0, None
         if nd < meta.num_seqs:  # the prefill chunks follow the decodes, as in the backend
             first = meta.query_start_loc_host[nd]
@@ -122,4 +124,5 @@ class CpuDecoderPath:
             hidden, positions, self.weights, self.dims, [k for k, _ in kv_caches],
             [v for _, v in kv_caches], self.rotary.cos_cache, self.rotary.sin_cache,
             meta.slot_mapping, meta.block_tables, meta.seq_lens, self.eps, self.scale,
-            num_decodes=nd, prefill_first=first, prefill_starts=starts)
+            num_decodes=nd, prefill_first=first, prefill_starts=starts,
+            output_rows=output_rows)

@@ -181,10 +181,16 @@ class LlamaDecoderLayer(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
         rope_plan: RopePlan | None = None,
+        output_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(hidden, residual) in and out: the residual stream is their sum."""
+        """(hidden, residual) in and out: the residual stream is their sum.
+        ``output_rows``: only those rows of both come out (every token's K/V is written;
+        the MLP runs for those rows alone)."""
         hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden, kv_cache, meta, backend, rope_plan)
+        if output_rows is not None:
+            hidden = hidden.index_select(0, output_rows)
+            residual = residual.index_select(0, output_rows)
         if not self.sandwich_norms:
             hidden, residual = self.post_attention_layernorm(hidden, residual)
             return self.mlp(hidden), residual
@@ -258,7 +264,12 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
         backend: AttentionBackend,
-    ) -> torch.Tensor:  # [T, hidden] final hidden states
+        output_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # [T, hidden] final hidden states ([R, hidden]: output_rows')
+        """``output_rows`` ([R] int64, e.g. the rows whose logits a step samples): only
+        those rows' final hidden states, in that order; the last layer runs its MLP for
+        them alone (the other tokens of a prefill need only their K/V), as they would
+        come out of the whole forward."""
         hidden = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             hidden = hidden * self.embed_scale
@@ -268,11 +279,12 @@ class LlamaForCausalLM(nn.Module):
         rope_plan = self.rotary.plan(positions, meta)
         fast = self.cpu_decoder_path
         if fast is not None and fast.takes(meta, backend, kv_caches, rope_plan):
-            hidden, residual = fast.run(hidden, positions, kv_caches, meta)
+            hidden, residual = fast.run(hidden, positions, kv_caches, meta, output_rows)
         else:
-            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            last = len(self.layers) - 1
+            for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
                 hidden, residual = layer(positions, hidden, residual, kv_cache, meta, backend,
-                                         rope_plan)
+                                         rope_plan, output_rows if i == last else None)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
