@@ -6,7 +6,8 @@ logit and KV-cache entry must be bit-identical, in fp32, bf16 and fp32 over a bf
 cache (``--kv-cache-dtype bfloat16``), over prefills, mixed
 steps (a chunked prefill beside decodes) and decode steps of ragged sequences; HF
 agreement itself is tests/worker/test_model_vs_hf.py's, whose production runner takes
-this path.
+this path. The sampled rows a step asks for (``output_rows``), on both paths: those rows
+of the whole forward, bit for bit.
 """
 
 from __future__ import annotations
@@ -130,10 +131,12 @@ def test_output_rows_are_those_rows_of_the_whole_forward(
     gen = torch.Generator().manual_seed(4)
     for rid, n in {"a": 7, "b": 30, "c": 19}.items():
         driver.add(rid, torch.randint(3, 500, (n,), generator=gen).tolist())
-    # prefills (b chunked: no row of it samples), a mixed step, decodes
-    for step in [{"a": 7, "b": 12}, {"a": 1, "b": 18, "c": 19}, {"a": 1, "b": 1, "c": 1}]:
+    # a chunk that samples nothing, prefills (b chunked: no row of it samples), a mixed
+    # step, decodes
+    for step in [{"b": 6}, {"a": 7, "b": 6}, {"a": 1, "b": 18, "c": 19},
+                 {"a": 1, "b": 1, "c": 1}]:
         driver.step(step)
-    assert asked == [[6], [0, 18, 37]]  # the decode-only step keeps every row: none asked
+    assert asked == [[], [6], [0, 18, 37]]  # the decode-only step keeps every row: none asked
 
 
 def test_models_and_settings_it_does_not_cover(tmp_path: Path, tiny_llama_dir: Path) -> None:
