@@ -336,27 +336,27 @@ std::tuple<Tensor, Tensor> decode_layers(
       if (views.pre_out.defined())
         ops.prefill.call(views.pre_out, views.pre_q, k_caches[l], v_caches[l], *prefill_starts,
                          views.pre_lens, views.pre_tables, scale, 0, 0.0);
+      // from the o projection on, the rows that go on: all of them, or in the last layer
+      // the kept ones (the rest of its output is never read)
+      Tensor o_in = attn_rows, o_normed = normed, kept_stream;
+      E* o_res = res;
+      int64_t rows = T;
       if (l == L - 1 && output_rows.has_value()) {
-        // the kept rows only, from the o projection on: the rest of the last layer's
-        // output is never read
-        const int64_t R = output_rows->size(0);
-        const Tensor kept_attn = attn_rows.index_select(0, *output_rows);
-        const Tensor kept_stream = (l == 0 ? hidden0 : residual).index_select(0, *output_rows);
-        const Tensor kept_normed = at::empty({R, H}, opts);
-        kept_residual = at::empty({R, H}, opts);
-        const Tensor o_out = ops.linear.call(kept_attn, o[l], d.o_n, o_bias.get(l));
-        pagoda_cpu_rows::rms_norm_rows<E>(mut<E>(kept_normed), mut<E>(kept_residual),
-                                       cptr<E>(o_out), RowLayout{1, H}, cptr<E>(kept_stream),
-                                       cptr<E>(in.post_norm[l]), R, H, eps);
-        const Tensor act =
-            ops.linear_silu.call(kept_normed, gate_up[l], d.act_n, gate_up_bias.get(l));
-        return ops.linear.call(act, down[l], d.down_n, down_bias.get(l));
+        rows = output_rows->size(0);
+        o_in = attn_rows.index_select(0, *output_rows);
+        kept_stream = (l == 0 ? hidden0 : residual).index_select(0, *output_rows);
+        stream = cptr<E>(kept_stream);
+        o_normed = at::empty({rows, H}, opts);
+        kept_residual = at::empty({rows, H}, opts);
+        o_res = mut<E>(kept_residual);
       }
-      const Tensor o_out = ops.linear.call(attn_rows, o[l], d.o_n, o_bias.get(l));
-      pagoda_cpu_rows::rms_norm_rows<E>(mut<E>(normed), res, cptr<E>(o_out), RowLayout{1, H},
-                                     stream, cptr<E>(in.post_norm[l]), T, H, eps);
+      const Tensor o_out = ops.linear.call(o_in, o[l], d.o_n, o_bias.get(l));
+      pagoda_cpu_rows::rms_norm_rows<E>(mut<E>(o_normed), o_res, cptr<E>(o_out),
+                                     RowLayout{1, H}, stream, cptr<E>(in.post_norm[l]), rows,
+                                     H, eps);
       stream = res;
-      const Tensor act = ops.linear_silu.call(normed, gate_up[l], d.act_n, gate_up_bias.get(l));
+      const Tensor act =
+          ops.linear_silu.call(o_normed, gate_up[l], d.act_n, gate_up_bias.get(l));
       hidden = ops.linear.call(act, down[l], d.down_n, down_bias.get(l));
     }
     return hidden;

@@ -494,9 +494,9 @@ void run_tile(const Args<T>& a, int64_t m0, int mr, int64_t panel, const char* p
 // arrives). SmolLM2's linears, weights from DRAM, one A/B process per dtype and row
 // count on a Zen 4 EPYC: bf16 1.02-1.15x at 1 row, 1.05x at 2, 1.10-1.11x at 4,
 // 1.15-1.20x at 8; fp32 1.00-1.06x / 1.02x / 1.07-1.10x / 1.15-1.22x (as the AVX2 tiles
-// found on Zen 3, kAvx2LoneTileLines). Elsewhere (Intel) all three lines, as measured
-// before; the tiles of more rows keep their prefetch on both (dropping it lost 6-7 % at
-// 24 rows on the Zen 4).
+// found on Zen 3, kAvx2LoneTileLines). Elsewhere (Intel) all three lines, as before (not
+// measured against none there); the tiles of more rows keep their prefetch on both
+// (dropping it lost 6-7 % at 24 rows on the Zen 4).
 inline int avx512_lone_tile_lines() {
   static const int lines = __builtin_cpu_is("amd") ? 0 : kVecs;
   return lines;

@@ -211,20 +211,19 @@ class ModelRunner:
                 rows = self._upload(flat.logit_indices)
                 logits = graph_out.logits.index_select(0, rows)
                 argmax = graph_out.argmax.index_select(0, rows)
-        elif self._scores_prompt(flat):  # prompt logprobs read every row's hidden state
-            hidden = self._forward(flat)
-            prompt_logprobs = self._prompt_logprobs(flat, hidden)
-            # the model's dtype for the sampler; fp32 for a caller that keeps them
-            logits = (self.model.compute_logits(
-                hidden.index_select(0, self._upload(flat.logit_indices)), fp32=keep_logits)
-                if flat.sample_rows else None)
         else:
-            # only the sampled rows come out of the model: a prefill's other tokens skip
-            # the last layer's MLP (a decode step's rows are all sampled: nothing to skip)
+            # the sampled rows (a decode step's are all its rows, in order: no selection)
             rows = (None if len(flat.sample_rows) == len(flat.order) == flat.num_decodes
                     else self._upload(flat.logit_indices))
-            hidden = self._forward(flat, rows)
-            prompt_logprobs = []
+            if self._scores_prompt(flat):  # prompt logprobs read every row's hidden state
+                hidden = self._forward(flat)
+                prompt_logprobs = self._prompt_logprobs(flat, hidden)
+                if rows is not None:
+                    hidden = hidden.index_select(0, rows)
+            else:  # only the sampled rows come out: a prefill's others skip the last MLP
+                hidden = self._forward(flat, rows)
+                prompt_logprobs = []
+            # the model's dtype for the sampler; fp32 for a caller that keeps them
             logits = (self.model.compute_logits(hidden, fp32=keep_logits)
                       if flat.sample_rows else None)
         for state, n in zip(flat.order, np.diff(flat.query_start_loc).tolist()):
