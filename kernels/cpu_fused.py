@@ -97,3 +97,11 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:  # [R, V] float32 / bfloat16 -
     """``x.argmax(dim=-1)`` of a 2-D fp32 or bf16 CPU tensor whose last dim has stride 1:
     the first index of the largest value, a NaN counting as the largest (as torch)."""
     return _ops().argmax_rows(x)
+
+
+def screen_columns(x: torch.Tensor, bounds: torch.Tensor, rel: float) -> torch.Tensor:
+    """[R, V] fp32 / bf16 approximate scores, each within ``bounds[r] + rel * |score|`` of
+    its true value (``bounds``: [R] float64) -> the ascending int64 columns that may hold
+    some row's largest true value: every column whose upper limit reaches the lower limit
+    of its row's top score. A row holding a NaN keeps every column."""
+    return _ops().screen_columns(x, bounds, rel)

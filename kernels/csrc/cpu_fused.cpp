@@ -1,6 +1,7 @@
 // Fused elementwise CPU kernels of the decoder layer: RMSNorm (with the residual add),
 // rotary embedding (rotate-half) and SiLU-and-multiply, each one pass over its rows; and
-// the KV-cache write (a row copy per token).
+// the KV-cache write (a row copy per token); the argmax of the LM head's rows and the
+// screen of its columns that the screened greedy head runs.
 //
 // Built at runtime by kernels/cpu_fused.py (load_inline, -O3 -march=native, no FMA
 // contraction, OpenMP flags as in cpu_decode.cpp) and registered as
@@ -287,6 +288,94 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
+// The columns of a [R, V] fp32 or bf16 tensor of approximate scores that may hold a row's
+// largest true value, ascending: column v is kept when, for some row r, its largest
+// possible true value reaches the smallest possible true value of the row's top score m,
+// each score s being within bound[r] + rel * |s| of its true value. Both limits grow
+// with s, so that is one threshold a row, solved in double and rounded down to fp32:
+// s_v + b + rel |s_v| >= m - b - rel |m|. A row holding a NaN keeps every column (its
+// caller then computes them all). Used by the screened greedy LM head
+// (services/worker/layers/screened_argmax.py); rows run on the pool, each collecting its
+// own columns, merged here through a flag a column.
+template <typename T>
+std::vector<std::vector<int64_t>> screen_rows(const at::Tensor& x, const double* bound,
+                                              double rel) {
+  const int64_t rows = x.size(0), vocab = x.size(1), ld = x.stride(0);
+  const T* base = static_cast<const T*>(x.const_data_ptr());
+  std::vector<std::vector<int64_t>> kept(rows);
+  at::parallel_for(0, rows, grain_rows(vocab), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* row = base + r * ld;
+      float m = -std::numeric_limits<float>::infinity();
+      int nan = 0;
+#pragma omp simd reduction(max : m) reduction(| : nan)
+      for (int64_t i = 0; i < vocab; ++i) {
+        const float v = to_f32(row[i]);
+        nan |= v != v;
+        m = v > m ? v : m;
+      }
+      std::vector<int64_t>& out = kept[r];
+      if (nan) {
+        out.resize(vocab);
+        for (int64_t i = 0; i < vocab; ++i) out[i] = i;
+        continue;
+      }
+      const double low = static_cast<double>(m) - bound[r] - rel * std::fabs(static_cast<double>(m));
+      const double need = low - bound[r];  // s + rel |s| >= need
+      const double t = need >= 0.0 ? need / (1.0 + rel) : need / (1.0 - rel);
+      float thr = static_cast<float>(t);
+      if (static_cast<double>(thr) > t) thr = std::nextafter(thr, -std::numeric_limits<float>::infinity());
+      constexpr int64_t kChunk = 16;  // a vector's worth: tested at once, scanned if any
+      int64_t i = 0;
+      for (; i + kChunk <= vocab; i += kChunk) {
+        int any = 0;
+#pragma omp simd reduction(| : any)
+        for (int64_t j = 0; j < kChunk; ++j) any |= to_f32(row[i + j]) >= thr;
+        if (!any) continue;
+        for (int64_t j = 0; j < kChunk; ++j)
+          if (to_f32(row[i + j]) >= thr) out.push_back(i + j);
+      }
+      for (; i < vocab; ++i)
+        if (to_f32(row[i]) >= thr) out.push_back(i);
+    }
+  });
+  return kept;
+}
+
+at::Tensor screen_columns(const at::Tensor& x, const at::Tensor& bounds, double rel) {
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.device().is_cpu() &&
+                        (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+                    "screen_columns takes a 2-D float32 or bfloat16 CPU tensor, got ", x.sizes(),
+                    " ", x.scalar_type());
+  const int64_t rows = x.size(0), vocab = x.size(1);
+  TORCH_CHECK_VALUE(vocab == 0 || x.stride(1) == 1 || vocab == 1,
+                    "screen_columns needs a last dim of stride 1");
+  TORCH_CHECK_VALUE(bounds.dim() == 1 && bounds.size(0) == rows && bounds.device().is_cpu() &&
+                        bounds.scalar_type() == at::kDouble,
+                    "bounds must be a [", rows, "] float64 CPU tensor, got ", bounds.sizes(), " ",
+                    bounds.scalar_type());
+  TORCH_CHECK_VALUE(rel >= 0.0 && rel < 1.0, "rel must be in [0, 1), got ", rel);
+  const at::Tensor b = bounds.contiguous();
+  const double* bp = b.const_data_ptr<double>();
+  for (int64_t r = 0; r < rows; ++r)
+    TORCH_CHECK_VALUE(std::isfinite(bp[r]) && bp[r] >= 0.0, "bounds[", r, "] = ", bp[r],
+                      " is not a finite non-negative number");
+  std::vector<std::vector<int64_t>> kept;
+  if (vocab > 0) {
+    kept = x.scalar_type() == at::kFloat ? screen_rows<float>(x, bp, rel)
+                                         : screen_rows<uint16_t>(x, bp, rel);
+  }
+  std::vector<uint8_t> flag(vocab, 0);
+  int64_t count = 0;
+  for (const auto& k : kept)
+    for (const int64_t v : k) count += flag[v] == 0, flag[v] = 1;
+  at::Tensor out = at::empty({count}, x.options().dtype(at::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+  for (int64_t v = 0; v < vocab; ++v)
+    if (flag[v]) *o++ = v;
+  return out;
+}
+
 }  // namespace
 
 // The namespace is a macro so a variant build could register apart (as cpu_decode).
@@ -300,6 +389,7 @@ PAGODA_LIBRARY(PAGODA_OP_NS, m) {
         &rotary);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
   m.def("argmax_rows(Tensor x) -> Tensor", &argmax_rows);
+  m.def("screen_columns(Tensor x, Tensor bounds, float rel) -> Tensor", &screen_columns);
   m.def("write_kv_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor slot_mapping) -> ()",
         &write_kv_cache);

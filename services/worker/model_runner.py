@@ -31,7 +31,7 @@ from services.worker.cuda_graphs import DecodeGraphs, needs_rope_plan
 from services.worker.grammar_bitmask import GrammarBitmask
 from services.worker.models.llama import KVCache, LlamaForCausalLM
 from services.worker.prompt_logprobs import compute_prompt_logprobs, plan_prompt_logprobs
-from services.worker.sampler import Sampler, SamplingRow
+from services.worker.sampler import Sampler, SamplingMetadata, SamplingRow
 from shared.protocol import NewRequest, PromptLogprobs, StepBatch, StepResult
 from shared.sampling_params import SamplingParams
 
@@ -198,7 +198,7 @@ class ModelRunner:
         if not batch.scheduled_request_ids:
             return StepResult(step_id=batch.step_id), {}
         flat = self._flatten(batch)
-        argmax = None
+        argmax, metadata = None, None
         if self.graphs is not None and self._graph_step(flat):
             # decode only: token i is row i; the graph's rows past the step's are padding
             graph_out = self.graphs.run(flat.input_ids, flat.positions, flat.slot_mapping,
@@ -223,18 +223,27 @@ class ModelRunner:
             else:  # only the sampled rows come out: a prefill's others skip the last MLP
                 hidden = self._forward(flat, rows)
                 prompt_logprobs = []
-            # the model's dtype for the sampler; fp32 for a caller that keeps them
-            logits = (self.model.compute_logits(hidden, fp32=keep_logits)
-                      if flat.sample_rows else None)
+            if flat.sample_rows and not keep_logits:
+                screened, metadata = self._screened_greedy(hidden, flat, batch)
+            else:
+                screened = None
+            if screened is not None:
+                logits, argmax = None, screened
+            else:  # the model's dtype for the sampler; fp32 for a caller that keeps them
+                logits = (self.model.compute_logits(hidden, fp32=keep_logits)
+                          if flat.sample_rows else None)
         for state, n in zip(flat.order, np.diff(flat.query_start_loc).tolist()):
             state.num_computed_tokens += n
-        if logits is None or not flat.sample_rows:
+        if (logits is None and argmax is None) or not flat.sample_rows:
             return StepResult(step_id=batch.step_id, prompt_logprobs=prompt_logprobs), {}
         samplers = [flat.order[i] for i in flat.sample_rows]
         grammar = (self._grammar_bitmask(batch, samplers)
                    if batch.grammar_seq_ids and self.tp.is_first else None)
-        if self.tp.is_first:
-            out = self.sampler(logits, [s.rows for s in samplers], grammar, argmax)
+        if logits is None:  # screened: plain greedy rows, rank 0 of one
+            sampled_ids, logprobs = argmax, [None] * len(samplers)
+        elif self.tp.is_first:
+            out = (self.sampler(logits, [s.rows for s in samplers], grammar, argmax)
+                   if metadata is None else self.sampler.sample(logits, metadata, grammar, argmax))
             sampled_ids, logprobs = out.sampled_token_ids, out.logprobs
         else:  # rank 0 samples; the others take its tokens (their state needs them)
             sampled_ids = torch.empty(len(samplers), dtype=torch.int64, device=self.device)
@@ -255,6 +264,20 @@ class ModelRunner:
         if argmax is not None:  # the graph's output: the next replay rewrites it
             logits = logits.clone()
         return result, {s.request_id: logits[j] for j, s in enumerate(samplers)}
+
+    def _screened_greedy(self, hidden: torch.Tensor, flat: _FlatBatch, batch: StepBatch
+                         ) -> tuple[torch.Tensor | None, SamplingMetadata | None]:
+        """The sampled rows' tokens through the model's screened greedy head
+        (``layers/screened_argmax.py``: the full head's argmax without its every column)
+        where every row is plain greedy, else None (the full head and the sampler); and
+        the rows' sampling metadata where it was built."""
+        head = self.model.screened_argmax
+        if head is None or batch.grammar_seq_ids or self.tp.size > 1:
+            return None, None
+        metadata = self.sampler.metadata([flat.order[i].rows for i in flat.sample_rows])
+        if not metadata.is_plain_greedy:
+            return None, metadata
+        return head(hidden), metadata
 
     def _prompt_logprobs(self, flat: _FlatBatch, hidden: torch.Tensor) -> list[PromptLogprobs]:
         """Logprobs of the prompt tokens this step's chunks score, for the sequences that

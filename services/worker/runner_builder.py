@@ -187,6 +187,8 @@ def build_runner(model_dir: Path, spec: RunnerSpec, tp: TensorParallel = SINGLE)
         cpu_prefill.available()
         log.info("CPU decode steps: %s", "one C++ call for all layers"
                  if model.enable_cpu_decoder() else "the Python layer loop")
+        if model.enable_screened_argmax():
+            log.info("greedy CPU steps: the fp32 LM head screened in bf16")
     # the frontend applies the same rule to the same config.json (shared/model_limits.py)
     max_model_len = model_limits.max_model_len(model.config.hf_config, spec.max_model_len)
     attention = get_attention_backend(device, spec.attention_backend)

@@ -455,10 +455,11 @@ class Sampler:
             )
         if argmax is not None and argmax.shape != (len(rows),):
             raise ValueError(f"argmax {tuple(argmax.shape)} != ({len(rows)} rows,)")
-        metadata = SamplingMetadata.from_rows(
-            rows, self.vocab_size, self.eos_token_ids, self.device
-        )
-        return self.sample(logits, metadata, grammar, argmax)
+        return self.sample(logits, self.metadata(rows), grammar, argmax)
+
+    def metadata(self, rows: Sequence[SamplingRow]) -> SamplingMetadata:
+        """What ``sample`` needs from the rows (``is_plain_greedy``: one argmax will do)."""
+        return SamplingMetadata.from_rows(rows, self.vocab_size, self.eos_token_ids, self.device)
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, metadata: SamplingMetadata,

@@ -422,3 +422,75 @@ def test_argmax_rows_of_bf16_is_the_argmax_of_its_fp32_copy(case: tuple[str, tor
 def test_argmax_rows_rejects(bad: torch.Tensor) -> None:
     with pytest.raises(ValueError):
         cpu_fused.argmax_rows(bad)
+
+
+# -- screen_columns ------------------------------------------------------------------------
+def _screen_reference(x: torch.Tensor, bounds: torch.Tensor, rel: float) -> torch.Tensor:
+    """The rule in float64, column by column: keep v if s_v + b + rel |s_v| reaches
+    m - b - rel |m| for some row (m its top score); a NaN row keeps everything."""
+    s = x.double()
+    keep = torch.zeros(x.shape[1], dtype=torch.bool)
+    for r in range(x.shape[0]):
+        row, b = s[r], float(bounds[r])
+        if torch.isnan(row).any():
+            keep[:] = True
+            continue
+        m = float(row.max())
+        keep |= row + b + rel * row.abs() >= m - b - rel * abs(m)
+    return keep.nonzero().view(-1)
+
+
+def _screen_cases() -> list[tuple[str, torch.Tensor, torch.Tensor, float]]:
+    gen = torch.Generator().manual_seed(11)
+    def rand(*shape: int, scale: float = 3.0) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * scale
+    negative = -rand(4, 500).abs() - 5.0  # every score below zero: the other branch
+    nan_row = rand(3, 200)
+    nan_row[1, 50] = float("nan")
+    ties = torch.randint(0, 4, (6, 333), generator=gen).float()
+    return [
+        ("vocab-sized", rand(45, 49152), torch.rand(45, generator=gen, dtype=torch.float64) * 2, 2.0**-8),
+        ("one row", rand(1, 4099), torch.tensor([0.7], dtype=torch.float64), 2.0**-8),
+        ("exact (no error)", rand(5, 300), torch.zeros(5, dtype=torch.float64), 0.0),
+        ("all negative", negative, torch.full((4,), 0.3, dtype=torch.float64), 0.01),
+        ("NaN row keeps all", nan_row, torch.full((3,), 0.1, dtype=torch.float64), 2.0**-8),
+        ("ties", ties, torch.zeros(6, dtype=torch.float64), 0.0),
+        ("wide bounds", rand(3, 100), torch.full((3,), 1e6, dtype=torch.float64), 2.0**-8),
+        ("row-strided", rand(7, 130)[:, :97], torch.full((7,), 0.5, dtype=torch.float64), 2.0**-8),
+    ]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", _screen_cases(), ids=lambda c: c[0])
+def test_screen_columns_matches_the_rule_in_float64(
+    case: tuple[str, torch.Tensor, torch.Tensor, float], dtype: torch.dtype
+) -> None:
+    _, x, bounds, rel = case
+    x = x.to(dtype)
+    got = cpu_fused.screen_columns(x, bounds, rel)
+    want = _screen_reference(x, bounds, rel)
+    # the kernel rounds its threshold down to fp32: it may keep a column the float64 rule
+    # drops by a rounding, never drop one it keeps
+    assert set(want.tolist()) <= set(got.tolist())
+    assert got.numel() - want.numel() <= 2
+    assert torch.equal(got, got.sort().values) and got.unique().numel() == got.numel()
+
+
+def test_screen_columns_keeps_every_row_argmax() -> None:
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 49152, generator=gen) * 4
+    got = set(cpu_fused.screen_columns(x, torch.zeros(64, dtype=torch.float64), 0.0).tolist())
+    assert set(x.argmax(dim=-1).tolist()) <= got
+    assert len(got) <= 64  # no error allowed: the top column of each row only
+
+
+@pytest.mark.parametrize("bounds, rel", [
+    (torch.zeros(3), 0.0),  # float32 bounds
+    (torch.zeros(2, dtype=torch.float64), 0.0),  # wrong length
+    (torch.tensor([0.0, -1.0, 0.0], dtype=torch.float64), 0.0),  # negative
+    (torch.tensor([0.0, float("inf"), 0.0], dtype=torch.float64), 0.0),  # not finite
+    (torch.zeros(3, dtype=torch.float64), 1.0),  # rel out of range
+], ids=["fp32 bounds", "length", "negative", "inf", "rel"])
+def test_screen_columns_rejects(bounds: torch.Tensor, rel: float) -> None:
+    with pytest.raises(ValueError):
+        cpu_fused.screen_columns(torch.zeros(3, 10), bounds, rel)

@@ -20,8 +20,11 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=None)
 
 
 class PagedDriver:
-    def __init__(self, runner: ModelRunner, seed: int = 0) -> None:
+    def __init__(self, runner: ModelRunner, seed: int = 0, keep_logits: bool = True) -> None:
+        """``keep_logits`` False: steps run as a worker runs them (``execute``), and return
+        no logits."""
         self.runner = runner
+        self.keep_logits = keep_logits
         self.free = list(range(runner.num_blocks))
         random.Random(seed).shuffle(self.free)
         self.tokens: dict[str, list[int]] = {}
@@ -62,7 +65,10 @@ class PagedDriver:
                 self.on_worker.add(rid)
             batch.scheduled_request_ids.append(sid)
             batch.num_scheduled_tokens.append(n)
-        result, logits = self.runner.execute_with_logits(batch)
+        if self.keep_logits:
+            result, logits = self.runner.execute_with_logits(batch)
+        else:
+            result, logits = self.runner.execute(batch), {}
         for rid, n in num_tokens.items():
             self.computed[rid] += n
         name = {sid: rid for rid, sid in self.seq_ids.items()}

@@ -32,6 +32,7 @@ from services.worker.layers.fused_path import use_triton
 from services.worker.layers.linear import PackedWeight, linear, linear_silu
 from services.worker.layers.norm import RMSNorm
 from services.worker.layers.rotary import RopePlan, RotaryEmbedding
+from services.worker.layers.screened_argmax import ScreenedArgmax
 from services.worker.model_config import ModelConfig
 from services.worker.models.cpu_decoder_path import CpuDecoderPath
 from services.worker.parallel import SINGLE, ShardSizes, TensorParallel, shard_sizes
@@ -237,12 +238,26 @@ class LlamaForCausalLM(nn.Module):
         # the CPU decode steps' one-call path, once enable_cpu_decoder found it covers
         # every layer (None: every step runs the Python loop)
         self.cpu_decoder_path: CpuDecoderPath | None = None
+        # greedy CPU steps' tokens without the whole fp32 LM head, once
+        # enable_screened_argmax found it applies (None: the full head)
+        self.screened_argmax: ScreenedArgmax | None = None
 
     def enable_cpu_decoder(self) -> bool:
         """Send CPU decode steps through ``cpu_decoder_path.py`` where it covers this model
         (call after the CPU linears are packed); returns whether it does."""
         self.cpu_decoder_path = CpuDecoderPath.build(self)
         return self.cpu_decoder_path is not None
+
+    def enable_screened_argmax(self) -> bool:
+        """Take plain greedy CPU steps' tokens through ``layers/screened_argmax.py`` where
+        it applies (an fp32 head packed for cpu_gemm on a CPU with AVX512-BF16, one rank,
+        no final soft cap: its rounding could tie logits the head keeps apart); call after
+        the CPU linears are packed. Returns whether it does."""
+        self.screened_argmax = None
+        if self.tp.size == 1 and self.config.final_logit_softcapping is None:
+            self.screened_argmax = ScreenedArgmax.build(self.lm_head_weight,
+                                                        self.lm_head_weight_packed)
+        return self.screened_argmax is not None
 
     @torch.no_grad()
     def finish_loading(self) -> None:
