@@ -30,14 +30,11 @@ the full argmax. Rows with a non-finite hidden state, or a screen that keeps mor
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from kernels import cpu_fused, cpu_gemm
+from services.worker.cpu_memory import HugePageArena
 from services.worker.layers.linear import PackedWeight, linear
-
-log = logging.getLogger(__name__)
 
 _U = 2.0**-24  # fp32 unit roundoff
 _REL = 2.0**-8 / (1 - 2.0**-8)  # a bf16 output against its own magnitude
@@ -63,7 +60,8 @@ class ScreenedArgmax:
         w = weight.detach().double()
         wb = weight.detach().bfloat16()
         wbd = wb.double()
-        self.bf16_packed = cpu_gemm.pack(wb)
+        # on huge pages, as the full head (pack_cpu_linears): a step streams it
+        self.bf16_packed = HugePageArena().place(cpu_gemm.pack(wb))
         k = self.hidden
         self._g = k * _U / (1 - k * _U)
         self._w_max = float(w.norm(dim=1).max())
