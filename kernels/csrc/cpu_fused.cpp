@@ -259,82 +259,6 @@ inline __m512 load_scores(const uint16_t* row, int64_t i, int64_t n) {
 }
 #endif
 
-// The first index of a row's largest value, a NaN counting as larger than everything (the
-// first NaN wins), as torch.argmax. AVX-512: each lane keeps its largest value and where
-// it first saw it (a strictly greater one replaces it), then the lanes holding the top
-// value give their smallest index; NaNs (never greater) are flagged and, if any, found by
-// a scan. The scan to the top value's first index that the portable loop needs ran
-// scalar, half a row on average: ~25 us a 49,152-logit row.
-template <typename T>
-int64_t row_argmax(const T* row, int64_t n) {
-#if defined(__AVX512F__) && !defined(PAGODA_PORTABLE)
-  __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  __m512i at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  __m512i idx = at;
-  const __m512i step = _mm512_set1_epi32(16);
-  __mmask16 nan = 0;
-  for (int64_t i = 0; i < n; i += 16, idx = _mm512_add_epi32(idx, step)) {
-    const __m512 v = load_scores(row, i, n);
-    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    const __mmask16 gt = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
-    best = _mm512_mask_blend_ps(gt, best, v);
-    at = _mm512_mask_blend_epi32(gt, at, idx);
-  }
-  if (nan) {
-    int64_t i = 0;
-    while (to_f32(row[i]) == to_f32(row[i])) ++i;
-    return i;
-  }
-  const float top = _mm512_reduce_max_ps(best);
-  const __mmask16 holders = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
-  return _mm512_mask_reduce_min_epi32(holders, at);
-#else
-  float m = -std::numeric_limits<float>::infinity();
-  int nan = 0;
-#pragma omp simd reduction(max : m) reduction(| : nan)
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = to_f32(row[i]);
-    nan |= v != v;
-    m = v > m ? v : m;
-  }
-  int64_t i = 0;
-  if (nan) {
-    while (to_f32(row[i]) == to_f32(row[i])) ++i;
-  } else {
-    while (to_f32(row[i]) != m) ++i;  // m is one of the row's values (or -inf: all are)
-  }
-  return i;
-#endif
-}
-
-// out[r] = torch.argmax(x[r]) for a [R, V] fp32 or bf16 tensor with unit stride along V
-// (row_argmax). bf16 widens exactly, so its argmax is its fp32 copy's: a greedy step
-// reads the LM head's bf16 logits without writing an fp32 copy first (at batch 64 that
-// copy was 0.4 ms of a 38 ms SmolLM2 step). torch's CPU argmax ran at ~2 G elements/s,
-// 1.4 ms of a batch-36 decode step over SmolLM2's 49,152 logits.
-template <typename T>
-void argmax_rows_typed(const at::Tensor& x, int64_t* o) {
-  const int64_t rows = x.size(0), vocab = x.size(1), ld = x.stride(0);
-  const T* base = static_cast<const T*>(x.const_data_ptr());
-  at::parallel_for(0, rows, grain_rows(vocab), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) o[r] = row_argmax(base + r * ld, vocab);
-  });
-}
-
-at::Tensor argmax_rows(const at::Tensor& x) {
-  TORCH_CHECK_VALUE(x.dim() == 2 && x.device().is_cpu() &&
-                        (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
-                    "argmax_rows takes a 2-D float32 or bfloat16 CPU tensor, got ", x.sizes(),
-                    " ", x.scalar_type());
-  const int64_t rows = x.size(0), vocab = x.size(1);
-  TORCH_CHECK_VALUE(vocab > 0 && (x.stride(1) == 1 || vocab == 1),
-                    "argmax_rows needs a non-empty last dim of stride 1");
-  at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
-  if (x.scalar_type() == at::kFloat) argmax_rows_typed<float>(x, out.data_ptr<int64_t>());
-  else argmax_rows_typed<uint16_t>(x, out.data_ptr<int64_t>());
-  return out;
-}
-
 // A row's largest value (NaNs aside) and whether it holds a NaN.
 template <typename T>
 float row_max(const T* row, int64_t n, bool& nan) {
@@ -377,6 +301,74 @@ void append_at_least(const T* row, int64_t n, float thr, std::vector<int64_t>& o
   for (int64_t i = 0; i < n; ++i)
     if (to_f32(row[i]) >= thr) out.push_back(i);
 #endif
+}
+
+// The first index of a row's largest value, a NaN counting as larger than everything (the
+// first NaN wins), as torch.argmax. AVX-512: each lane keeps its largest value and where
+// it first saw it (a strictly greater one replaces it), then the lanes holding the top
+// value give their smallest index; NaNs (never greater) are flagged and, if any, found by
+// a scan. The scan to the top value's first index that the portable loop needs ran
+// scalar, half a row on average: ~25 us a 49,152-logit row.
+template <typename T>
+int64_t row_argmax(const T* row, int64_t n) {
+#if defined(__AVX512F__) && !defined(PAGODA_PORTABLE)
+  __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512i at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512i idx = at;
+  const __m512i step = _mm512_set1_epi32(16);
+  __mmask16 nan = 0;
+  for (int64_t i = 0; i < n; i += 16, idx = _mm512_add_epi32(idx, step)) {
+    const __m512 v = load_scores(row, i, n);
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    const __mmask16 gt = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
+    best = _mm512_mask_blend_ps(gt, best, v);
+    at = _mm512_mask_blend_epi32(gt, at, idx);
+  }
+  if (!nan) {
+    const float top = _mm512_reduce_max_ps(best);
+    const __mmask16 holders = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
+    return _mm512_mask_reduce_min_epi32(holders, at);
+  }
+#else
+  bool nan = false;
+  const float m = row_max(row, n, nan);
+  if (!nan) {
+    int64_t i = 0;
+    while (to_f32(row[i]) != m) ++i;  // m is one of the row's values (or -inf: all are)
+    return i;
+  }
+#endif
+  int64_t i = 0;  // the first NaN
+  while (to_f32(row[i]) == to_f32(row[i])) ++i;
+  return i;
+}
+
+// out[r] = torch.argmax(x[r]) for a [R, V] fp32 or bf16 tensor with unit stride along V
+// (row_argmax). bf16 widens exactly, so its argmax is its fp32 copy's: a greedy step
+// reads the LM head's bf16 logits without writing an fp32 copy first (at batch 64 that
+// copy was 0.4 ms of a 38 ms SmolLM2 step). torch's CPU argmax ran at ~2 G elements/s,
+// 1.4 ms of a batch-36 decode step over SmolLM2's 49,152 logits.
+template <typename T>
+void argmax_rows_typed(const at::Tensor& x, int64_t* o) {
+  const int64_t rows = x.size(0), vocab = x.size(1), ld = x.stride(0);
+  const T* base = static_cast<const T*>(x.const_data_ptr());
+  at::parallel_for(0, rows, grain_rows(vocab), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) o[r] = row_argmax(base + r * ld, vocab);
+  });
+}
+
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.device().is_cpu() &&
+                        (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+                    "argmax_rows takes a 2-D float32 or bfloat16 CPU tensor, got ", x.sizes(),
+                    " ", x.scalar_type());
+  const int64_t rows = x.size(0), vocab = x.size(1);
+  TORCH_CHECK_VALUE(vocab > 0 && (x.stride(1) == 1 || vocab == 1),
+                    "argmax_rows needs a non-empty last dim of stride 1");
+  at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
+  if (x.scalar_type() == at::kFloat) argmax_rows_typed<float>(x, out.data_ptr<int64_t>());
+  else argmax_rows_typed<uint16_t>(x, out.data_ptr<int64_t>());
+  return out;
 }
 
 // The columns of a [R, V] fp32 or bf16 tensor of approximate scores that may hold a row's
