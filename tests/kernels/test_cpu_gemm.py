@@ -280,6 +280,23 @@ def test_a_row_gets_the_same_bits_whatever_rows_come_with_it(gemm: Build,
                                          for i, j in pieces]))
 
 
+def test_a_column_gets_the_same_bits_whatever_columns_are_packed_beside_it(
+        gemm: Build, dtype: torch.dtype) -> None:
+    """Each output lane sums its column's products in K order whatever panel and position
+    it has: any subset of W's rows packed alone gives those columns of the whole product,
+    bit for bit (the screened greedy head, services/worker/layers/screened_argmax.py,
+    recomputes its kept columns this way)."""
+    w, _, packed = _weights(gemm, 960, 576, dtype)
+    gen = torch.Generator().manual_seed(9)
+    for rows in (1, 7, 45):
+        x = _x(rows, 576, dtype, seed=rows)
+        whole = gemm.linear(x, packed, 960, None)
+        for size in (1, 5, 47, 48, 49, 300):
+            cols = torch.randperm(960, generator=gen)[:size].sort().values
+            part = gemm.linear(x, gemm.pack(w.index_select(0, cols)), size, None)
+            assert torch.equal(part, whole.index_select(1, cols)), f"{rows} rows, {size} columns"
+
+
 def _splits_panels(gemm: Build, dtype: torch.dtype) -> bool:
     """Whether this build packs the dtype's panels as three runs of 16 columns (the AVX2
     tiles' layout) rather than a step's 48 columns side by side."""
