@@ -144,6 +144,21 @@ def test_falls_back_to_the_full_head() -> None:
         screen(h.bfloat16())
 
 
+def test_a_screen_that_keeps_too_much_too_often_turns_itself_off() -> None:
+    flat = torch.zeros(500, 64)  # every logit 0: every call keeps every column
+    screen = ScreenedArgmax(flat, gemm_packed(flat))
+    h = torch.randn(2, 64)
+    for _ in range(screened_argmax.PROBATION_CALLS):
+        assert screen.active
+        assert screen(h) is None
+    assert not screen.active
+    weight = head(500, 64, seed=12)  # a head it works for stays on
+    screen = ScreenedArgmax(weight, gemm_packed(weight))
+    for _ in range(screened_argmax.PROBATION_CALLS + 1):
+        assert screen(weight[:3] * 20) is not None
+    assert screen.active
+
+
 def test_build_applies_to_finite_fp32_heads_packed_for_cpu_gemm_only() -> None:
     weight = head(300, 64, seed=9)
     native_bf16 = cpu_gemm.tile_paths().get(torch.bfloat16) == "avx512"

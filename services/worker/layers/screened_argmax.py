@@ -25,10 +25,14 @@ with it) is kept. The kept columns of all rows, ascending, are packed and multip
 the fp32 tiles, which sum each column on its own in the same order whatever the other
 columns are, so each of those logits equals the full head's, and their first largest is
 the full argmax. Rows with a non-finite hidden state, or a screen that keeps more than
-``MAX_KEPT_FRACTION`` of the vocabulary, take the full fp32 head instead.
+``MAX_KEPT_FRACTION`` of the vocabulary, take the full fp32 head instead; a head whose
+screen does that in most of its first ``PROBATION_CALLS`` calls (a bound too wide for its
+logits' spread) is turned off.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
@@ -44,6 +48,11 @@ _FLUSH = 2.0**-126
 _SLACK = 1.001  # over the bound's own float64 rounding
 # above this share of the vocabulary kept, the two heads cost more than the full one
 MAX_KEPT_FRACTION = 0.125
+# a head whose bound keeps too many columns too often pays for both heads on those calls:
+# after this many calls, more than half of them falling back turns the screen off
+PROBATION_CALLS = 64
+
+log = logging.getLogger(__name__)
 
 
 class ScreenedArgmax:
@@ -71,6 +80,9 @@ class ScreenedArgmax:
         # term; and the flushed output
         self._flush = (k * (float(wbd.abs().max()) + 1.0) + 1.0) * _FLUSH
         self.max_kept = max(1, int(self.vocab * MAX_KEPT_FRACTION))
+        self.active = True  # False: every call returns None (see PROBATION_CALLS)
+        self._calls = 0
+        self._too_wide = 0
 
     @classmethod
     def build(cls, weight: torch.Tensor, packed: PackedWeight | None) -> ScreenedArgmax | None:
@@ -98,7 +110,7 @@ class ScreenedArgmax:
         if hidden.dtype != torch.float32 or hidden.dim() != 2 or hidden.shape[1] != self.hidden:
             raise ValueError(f"hidden must be [R, {self.hidden}] float32, got "
                              f"{tuple(hidden.shape)} {hidden.dtype}")
-        if hidden.shape[0] == 0:
+        if hidden.shape[0] == 0 or not self.active:
             return None
         hidden_bf16 = hidden.bfloat16()
         bounds = self.bounds(hidden, hidden_bf16)
@@ -106,7 +118,14 @@ class ScreenedArgmax:
             return None
         screen = cpu_gemm.linear(hidden_bf16, self.bf16_packed, self.vocab, None)
         kept = cpu_fused.screen_columns(screen, bounds, _REL)
+        self._calls += 1
         if kept.numel() > self.max_kept:
+            self._too_wide += 1
+            if self._calls >= PROBATION_CALLS and 2 * self._too_wide > self._calls:
+                self.active = False
+                log.warning("the screened greedy head kept more than %d of %d columns in %d of "
+                            "%d calls; greedy steps take the full LM head from now on",
+                            self.max_kept, self.vocab, self._too_wide, self._calls)
             return None
         rows = self.weight.index_select(0, kept)
         exact = linear(hidden, rows, None, PackedWeight(cpu_gemm.pack(rows), kept.numel(), True))
