@@ -9,6 +9,7 @@ module imports without torch.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
@@ -154,8 +155,11 @@ def test_several_client_processes_at_once(stack: FrontendStack) -> None:
 def test_timeout_when_the_frontend_refuses_the_handshake() -> None:
     """A frontend with CURVE keys refuses a client without them: the socket is left with
     no pipe, where a plain send would wait for ever. Each request, the first and the ones
-    after the refusal, ends in a timeout, and so does an abort (run in a thread: a hang
-    fails, not stalls)."""
+    after the refusal, ends in a timeout (no answer ever comes). An abort is one frame
+    sent, no answer awaited: it times out where the socket has no pipe, and returns where
+    it caught one of the pipes each reconnect makes before the handshake fails (a CI run
+    under load did); either way it returns by the timeout (run in a thread: a hang fails,
+    not stalls)."""
     _, secret = zmq.curve_keypair()
     ctx: zmq.Context = zmq.Context()
     server = ctx.socket(zmq.ROUTER)
@@ -170,7 +174,7 @@ def test_timeout_when_the_frontend_refuses_the_handshake() -> None:
                 for _ in range(3):
                     with pytest.raises(RequestTimeoutError):
                         c.generate([1, 2, 3])
-                with pytest.raises(RequestTimeoutError):
+                with contextlib.suppress(RequestTimeoutError):
                     c.abort("gone")
 
             async def run_async() -> None:
@@ -178,7 +182,7 @@ def test_timeout_when_the_frontend_refuses_the_handshake() -> None:
                     for _ in range(3):
                         with pytest.raises(RequestTimeoutError):
                             await ac.generate([1, 2, 3])
-                    with pytest.raises(RequestTimeoutError):
+                    with contextlib.suppress(RequestTimeoutError):
                         await ac.abort("gone")
 
             asyncio.run(run_async())
