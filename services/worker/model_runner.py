@@ -271,8 +271,8 @@ class ModelRunner:
         (``layers/screened_argmax.py``: the full head's argmax without its every column)
         where every row is plain greedy, else None (the full head and the sampler); and
         the rows' sampling metadata where it was built."""
-        head = self.model.screened_argmax
-        if head is None or batch.grammar_seq_ids or self.tp.size > 1:
+        head = self.model.screened_argmax  # None under tensor parallelism
+        if head is None or batch.grammar_seq_ids:
             return None, None
         metadata = self.sampler.metadata([flat.order[i].rows for i in flat.sample_rows])
         if not metadata.is_plain_greedy:

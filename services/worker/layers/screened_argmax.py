@@ -38,7 +38,7 @@ import torch
 
 from kernels import cpu_fused, cpu_gemm
 from services.worker.cpu_memory import HugePageArena
-from services.worker.layers.linear import PackedWeight, linear
+from services.worker.layers.linear import PackedWeight
 
 _U = 2.0**-24  # fp32 unit roundoff
 _REL = 2.0**-8 / (1 - 2.0**-8)  # a bf16 output against its own magnitude
@@ -46,6 +46,7 @@ _REL = 2.0**-8 / (1 - 2.0**-8)  # a bf16 output against its own magnitude
 # denormals: each costs at most this much (times the term's other factor for an input)
 _FLUSH = 2.0**-126
 _SLACK = 1.001  # over the bound's own float64 rounding
+_NORM_ROWS = 4096  # head rows a slice when measuring its row norms
 # above this share of the vocabulary kept, the two heads cost more than the full one
 MAX_KEPT_FRACTION = 0.125
 # a head whose bound keeps too many columns too often pays for both heads on those calls:
@@ -66,19 +67,24 @@ class ScreenedArgmax:
             raise ValueError("the screened argmax needs an fp32 LM head packed for cpu_gemm")
         self.weight = weight
         self.vocab, self.hidden = weight.shape
-        w = weight.detach().double()
         wb = weight.detach().bfloat16()
-        wbd = wb.double()
         # on huge pages, as the full head (pack_cpu_linears): a step streams it
         self.bf16_packed = HugePageArena().place(cpu_gemm.pack(wb))
         k = self.hidden
         self._g = k * _U / (1 - k * _U)
-        self._w_max = float(w.norm(dim=1).max())
-        self._wb_max = float(wbd.norm(dim=1).max())
-        self._w_err_max = float((wbd - w).norm(dim=1).max())
+        # the head's largest row norms, in float64 a slice of rows at a time (the whole
+        # head in float64 twice took ~0.65 GB and 0.85 s of a SmolLM2 worker's start)
+        self._w_max = self._wb_max = self._w_err_max = wb_entry_max = 0.0
+        for start in range(0, self.vocab, _NORM_ROWS):
+            w = weight.detach()[start:start + _NORM_ROWS].double()
+            wbd = wb[start:start + _NORM_ROWS].double()
+            self._w_max = max(self._w_max, float(w.norm(dim=1).max()))
+            self._wb_max = max(self._wb_max, float(wbd.norm(dim=1).max()))
+            self._w_err_max = max(self._w_err_max, float((wbd - w).norm(dim=1).max()))
+            wb_entry_max = max(wb_entry_max, float(wbd.abs().max()))
         # a denormal h^ entry (read as 0) times its weight, a flushed partial sum, per
         # term; and the flushed output
-        self._flush = (k * (float(wbd.abs().max()) + 1.0) + 1.0) * _FLUSH
+        self._flush = (k * (wb_entry_max + 1.0) + 1.0) * _FLUSH
         self.max_kept = max(1, int(self.vocab * MAX_KEPT_FRACTION))
         self.active = True  # False: every call returns None (see PROBATION_CALLS)
         self._calls = 0
@@ -127,6 +133,6 @@ class ScreenedArgmax:
                             "%d calls; greedy steps take the full LM head from now on",
                             self.max_kept, self.vocab, self._too_wide, self._calls)
             return None
-        rows = self.weight.index_select(0, kept)
-        exact = linear(hidden, rows, None, PackedWeight(cpu_gemm.pack(rows), kept.numel(), True))
+        rows = self.weight.index_select(0, kept)  # the full head's kernel, on these alone
+        exact = cpu_gemm.linear(hidden, cpu_gemm.pack(rows), kept.numel(), None)
         return kept.index_select(0, cpu_fused.argmax_rows(exact))
