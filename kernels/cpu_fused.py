@@ -27,10 +27,11 @@ OP_NAMESPACE = "pagoda_cpu_fused"  # the source's default PAGODA_OP_NS
 DTYPES = (torch.float32, torch.bfloat16)
 
 
-def build_library(namespace: str = OP_NAMESPACE) -> None:
-    """Compile (or load from the cache) the kernels as ``torch.ops.<namespace>``."""
+def build_library(namespace: str = OP_NAMESPACE, defines: tuple[str, ...] = ()) -> None:
+    """Compile (or load from the cache) the kernels as ``torch.ops.<namespace>``; tests
+    build the portable loops as a variant (``defines=("PAGODA_PORTABLE",)``)."""
     build_extension(namespace, _SOURCE, [CSRC / "cpu_rows.h", SCALAR_HEADER, CSRC / "cpu_silu.h"],
-                    extra_cflags=("-ffp-contract=off",))
+                    extra_cflags=("-ffp-contract=off",), defines=defines)
 
 
 # a lambda: the source path is read at build time

@@ -28,7 +28,11 @@
 #include "cpu_scalar.h"
 #include "cpu_silu.h"
 
-#if defined(__AVX512F__) && !defined(PAGODA_PORTABLE)
+// The row scans' AVX-512 forms (load_scores and the loops on it): the 16-bit masked loads
+// of bf16 rows need AVX512BW and VL beside F, as cpu_decode_blocks.h's kernels do.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    !defined(PAGODA_PORTABLE)
+#define PAGODA_FUSED_AVX512 1
 #include <immintrin.h>
 #endif
 
@@ -244,15 +248,20 @@ void write_kv_cache(const at::Tensor& key_in, const at::Tensor& value_in, const 
   });
 }
 
-#if defined(__AVX512F__) && !defined(PAGODA_PORTABLE)
+#ifdef PAGODA_FUSED_AVX512
+// The lanes of the 16 values from i that lie before n (i < n).
+inline __mmask16 lanes_before(int64_t i, int64_t n) {
+  return i + 16 <= n ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1);
+}
+
 // 16 values of a row from i as fp32 (bf16 widens exactly); lanes past n read -inf
 inline __m512 load_scores(const float* row, int64_t i, int64_t n) {
-  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   if (i + 16 <= n) return _mm512_loadu_ps(row + i);
-  return _mm512_mask_loadu_ps(ninf, static_cast<__mmask16>((1u << (n - i)) - 1), row + i);
+  return _mm512_mask_loadu_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()),
+                              lanes_before(i, n), row + i);
 }
 inline __m512 load_scores(const uint16_t* row, int64_t i, int64_t n) {
-  const __mmask16 m = i + 16 <= n ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1);
+  const __mmask16 m = lanes_before(i, n);
   const __m256i h = _mm256_maskz_loadu_epi16(m, row + i);
   const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   return _mm512_mask_blend_ps(m, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), v);
@@ -262,7 +271,7 @@ inline __m512 load_scores(const uint16_t* row, int64_t i, int64_t n) {
 // A row's largest value (NaNs aside) and whether it holds a NaN.
 template <typename T>
 float row_max(const T* row, int64_t n, bool& nan) {
-#if defined(__AVX512F__) && !defined(PAGODA_PORTABLE)
+#ifdef PAGODA_FUSED_AVX512
   __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   __mmask16 unordered = 0;
   for (int64_t i = 0; i < n; i += 16) {
@@ -289,7 +298,7 @@ float row_max(const T* row, int64_t n, bool& nan) {
 // Appends the indices i < n with row[i] >= thr, ascending.
 template <typename T>
 void append_at_least(const T* row, int64_t n, float thr, std::vector<int64_t>& out) {
-#if defined(__AVX512F__) && !defined(PAGODA_PORTABLE)
+#ifdef PAGODA_FUSED_AVX512
   const __m512 t = _mm512_set1_ps(thr);
   for (int64_t i = 0; i < n; i += 16) {
     // lanes past n read -inf, below any finite threshold
@@ -311,7 +320,7 @@ void append_at_least(const T* row, int64_t n, float thr, std::vector<int64_t>& o
 // scalar, half a row on average: ~25 us a 49,152-logit row.
 template <typename T>
 int64_t row_argmax(const T* row, int64_t n) {
-#if defined(__AVX512F__) && !defined(PAGODA_PORTABLE)
+#ifdef PAGODA_FUSED_AVX512
   __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   __m512i at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   __m512i idx = at;

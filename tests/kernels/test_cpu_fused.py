@@ -424,6 +424,25 @@ def test_argmax_rows_rejects(bad: torch.Tensor) -> None:
         cpu_fused.argmax_rows(bad)
 
 
+@pytest.mark.slow
+def test_portable_build_scans_alike() -> None:
+    """The row scans' portable loops (machines without AVX-512 BW/VL) against torch and the
+    native build: argmax_rows on every case in both dtypes, screen_columns column for
+    column (the same fp32 threshold, compared lane by lane or one by one)."""
+    namespace = "pagoda_cpu_fused_portable"
+    cpu_fused.build_library(namespace, defines=("PAGODA_PORTABLE",))
+    ops = getattr(torch.ops, namespace)
+    for name, x in _argmax_cases():
+        for dtype in DTYPES:
+            xd = x.to(dtype)
+            assert torch.equal(ops.argmax_rows(xd), xd.float().argmax(dim=-1)), (name, dtype)
+    for name, x, bounds, rel in _screen_cases():
+        for dtype in DTYPES:
+            xd = x.to(dtype)
+            assert torch.equal(ops.screen_columns(xd, bounds, rel),
+                               cpu_fused.screen_columns(xd, bounds, rel)), (name, dtype)
+
+
 # -- screen_columns ------------------------------------------------------------------------
 def _screen_reference(x: torch.Tensor, bounds: torch.Tensor, rel: float) -> torch.Tensor:
     """The rule in float64, column by column: keep v if s_v + b + rel |s_v| reaches
