@@ -242,8 +242,9 @@ class ModelRunner:
         if logits is None:  # screened: plain greedy rows, rank 0 of one
             sampled_ids, logprobs = argmax, [None] * len(samplers)
         elif self.tp.is_first:
-            out = (self.sampler(logits, [s.rows for s in samplers], grammar, argmax)
-                   if metadata is None else self.sampler.sample(logits, metadata, grammar, argmax))
+            if metadata is None:  # not built for the screened head's test
+                metadata = self.sampler.metadata([s.rows for s in samplers])
+            out = self.sampler.sample(logits, metadata, grammar, argmax)
             sampled_ids, logprobs = out.sampled_token_ids, out.logprobs
         else:  # rank 0 samples; the others take its tokens (their state needs them)
             sampled_ids = torch.empty(len(samplers), dtype=torch.int64, device=self.device)
