@@ -221,6 +221,37 @@ class _PipeGoesAtSend:
         return getattr(self._sock, name)
 
 
+class _NeverTakes:
+    """An asyncio DEALER whose send never completes, as one left without a pipe."""
+
+    def __init__(self, sock: object) -> None:
+        self._sock = sock
+        self.sends = 0
+
+    async def send(self, frame: bytes, flags: int = 0) -> None:
+        self.sends += 1
+        await asyncio.Event().wait()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._sock, name)
+
+
+def test_async_abort_times_out_where_the_socket_takes_no_message() -> None:
+    """The async client's abort waits for its socket by the client's timeout and then
+    raises RequestTimeoutError (never hangs, never leaks asyncio's TimeoutError)."""
+    async def run(address: str) -> None:
+        async with AsyncClient(address, timeout=0.2) as ac:
+            never = _NeverTakes(ac._sock)
+            ac._sock = never  # type: ignore[assignment]
+            with pytest.raises(RequestTimeoutError) as caught:
+                await asyncio.wait_for(ac.abort("r1"), 10)  # a hang fails here instead
+            assert caught.value.request_id == "r1" and never.sends == 1
+            ac._sock = never._sock  # type: ignore[assignment]
+
+    with tempfile.TemporaryDirectory(dir="/tmp") as d:
+        asyncio.run(run(f"ipc://{d}/nobody.sock"))
+
+
 def test_a_pipe_lost_between_poll_and_send_is_waited_for_not_raised() -> None:
     """Poll said writable, then the send found no pipe: the client waits for the next
     pipe by the same deadline (the request reaches the frontend), and where none comes,
