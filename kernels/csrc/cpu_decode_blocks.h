@@ -1,8 +1,8 @@
 // Block kernels of the CPU paged decode (cpu_decode.cpp): for one block of one
 // sequence, the scores of every query head against the block's K rows, and the
 // softmax-weighted sum of its V rows. An AVX-512 version (fp32 scores: 8 tokens' dot
-// products of up to 3 query heads accumulated in registers and reduced together; bf16:
-// 16 tokens'), an AVX2 one (the same in 8-lane vectors, 8
+// products of up to 3 query heads accumulated in registers and reduced together, bf16
+// alike), an AVX2 one (the same in 8-lane vectors, 8
 // tokens at a time; head_dim a multiple of 8, else the portable loops) and a portable
 // one; AVX-512 and portable take any head_dim
 // (AVX-512 masks the last 16-wide chunk) and fp32 or bf16 (as uint16_t bits) caches.
@@ -148,33 +148,15 @@ inline __m512 load16(const uint16_t* p, __mmask16 m) {  // bf16 is the top half 
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-using pagoda_cpu_simd::reduce16;  // cpu_reduce16.h
-
-// The sums of v[0..7] in lanes 0..7: reduce16's tree on 8 vectors (each sum adds its
-// lanes in the same order as reduce16 would, so the same bits).
-__attribute__((always_inline)) inline __m256 reduce8(const __m512* v) {
-  __m512 a[4], b[2];
-  for (int i = 0; i < 4; ++i)
-    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 2; ++i) {
-    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
-    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
-                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-  }
-  const __m512 c = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88),
-                                 _mm512_shuffle_f32x4(b[0], b[1], 0xDD));
-  return _mm512_castps512_ps256(_mm512_add_ps(_mm512_shuffle_f32x4(c, c, 0x88),
-                                              _mm512_shuffle_f32x4(c, c, 0xDD)));
-}
+using pagoda_cpu_simd::reduce8;  // cpu_reduce16.h
 
 // Query tiles of up to this many heads keep the scores' accumulators of kScoreTokens
 // tokens in registers (kScoreHeads x kScoreTokens zmm; the tiles of 4 heads run as two
 // of 2). The old form kept 16 tokens' (48 zmm for 3 heads, past the 32 registers: GCC
-// kept them on the stack): on a 2-core Zen 4 EPYC, 30 layers of fp32 K/V on huge pages
-// from randomly placed blocks, a batch 45 x 400 keys step's decode attention ran
-// 1.06-1.10x faster this way, batch 64 x 300 1.07x, 16 x 600 1.07x, 20 x 300 1.06x
-// (one A/B process, the same bits).
+// kept them on the stack): on a 2-core Zen 4 EPYC, 30 layers of K/V on huge pages from
+// randomly placed blocks, one A/B process, the same bits, a step's decode attention ran
+// in fp32 1.07-1.11x faster this way at batch 45 x 400 keys, 1.07x at 64 x 300, 1.06-1.11x
+// at 20 x 300; in bf16 1.11x, 1.08x, 1.02x.
 constexpr int kScoreHeads = 3;
 constexpr int kScoreTokens = 8;
 
@@ -253,36 +235,40 @@ inline __mmask32 chunk_mask32(int64_t left) {  // lanes of a 32-wide bf16 chunk 
 
 // scores_tile for bf16: per 64-wide slice of head_dim, two vdpbf16ps per query row and
 // token on the raw bf16 rows (exact products, fp32 sums), the scale applied to each
-// reduced score.
+// reduced score; 8 tokens at a time, as scores_tile, for the same reason.
 template <int GT>
 void scores_tile_bf16(const Shape& s, const uint16_t* k, BlockView bv, const uint16_t* q,
                       float scale, float* scores) {
+  static_assert(GT <= kScoreHeads, "a tile's accumulators must fit in registers");
   const int64_t D = s.head_dim;
-  const __m512 vscale = _mm512_set1_ps(scale);
-  __m512 dots[GT][16];
-  for (int64_t t0 = 0; t0 < bv.n; t0 += 16) {
-    const int64_t nt = std::min<int64_t>(16, bv.n - t0);
+  const __m256 vscale = _mm256_set1_ps(scale);
+  for (int64_t t0 = 0; t0 < bv.n; t0 += kScoreTokens) {
+    const int64_t nt = std::min<int64_t>(kScoreTokens, bv.n - t0);
+    __m512 dots[GT][kScoreTokens];
     for (int i = 0; i < GT; ++i)
-      for (int t = 0; t < 16; ++t) dots[i][t] = _mm512_setzero_ps();
+      for (int t = 0; t < kScoreTokens; ++t) dots[i][t] = _mm512_setzero_ps();
     for (int64_t d0 = 0; d0 < D; d0 += 64) {
       const __mmask32 m0 = chunk_mask32(D - d0), m1 = chunk_mask32(D - d0 - 32);
-      __m512bh qr[GT][2];
-      for (int i = 0; i < GT; ++i) {
-        qr[i][0] = (__m512bh)_mm512_maskz_loadu_epi16(m0, q + i * D + d0);
-        qr[i][1] = (__m512bh)_mm512_maskz_loadu_epi16(m1, q + i * D + d0 + 32);
-      }
-      for (int64_t t = 0; t < nt; ++t) {
-        const uint16_t* kt = k + (t0 + t) * s.row_stride + d0;
-        prefetch_twin(kt, bv.next_delta, 0, s.twin_l2);
-        const __m512bh k0 = (__m512bh)_mm512_maskz_loadu_epi16(m0, kt);
-        const __m512bh k1 = (__m512bh)_mm512_maskz_loadu_epi16(m1, kt + 32);
+      const uint16_t* kt = k + t0 * s.row_stride + d0;
+#pragma GCC unroll 8
+      for (int t = 0; t < kScoreTokens; ++t, kt += s.row_stride) {
+        const bool row = t < nt;
+        if (row) prefetch_twin(kt, bv.next_delta, 0, s.twin_l2);
+        const __m512bh k0 = (__m512bh)_mm512_maskz_loadu_epi16(row ? m0 : __mmask32(0), kt);
+        const __m512bh k1 = (__m512bh)_mm512_maskz_loadu_epi16(row ? m1 : __mmask32(0), kt + 32);
+        const uint16_t* qd = q + d0;  // loaded again per token, as in scores_tile
+        asm("" : "+r"(qd));
         for (int i = 0; i < GT; ++i)
-          dots[i][t] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(dots[i][t], qr[i][0], k0), qr[i][1], k1);
+          dots[i][t] = _mm512_dpbf16_ps(
+              _mm512_dpbf16_ps(dots[i][t],
+                               (__m512bh)_mm512_maskz_loadu_epi16(m0, qd + i * D), k0),
+              (__m512bh)_mm512_maskz_loadu_epi16(m1, qd + i * D + 32), k1);
       }
     }
     for (int i = 0; i < GT; ++i)
-      _mm512_mask_storeu_ps(scores + i * s.part_tokens + bv.pos + t0, chunk_mask(nt),
-                            _mm512_mul_ps(reduce16(dots[i]), vscale));
+      _mm256_mask_storeu_ps(scores + i * s.part_tokens + bv.pos + t0,
+                            static_cast<__mmask8>(chunk_mask(nt)),
+                            _mm256_mul_ps(reduce8(dots[i]), vscale));
   }
 }
 
@@ -350,8 +336,16 @@ void block_scores(const Shape& s, const T* rows, BlockView bv, const Query& q, f
     // model) keeps its precision and takes the widening tile
     if constexpr (std::is_same_v<T, uint16_t>) {
       if (q.bf16 != nullptr) {
-        scores_tile_bf16<G>(s, rows + kvh * s.head_dim, bv, q.bf16 + h * s.head_dim, q.scale,
-                            scores + h * s.part_tokens);
+        const uint16_t* k = rows + kvh * s.head_dim;
+        if constexpr (G <= kScoreHeads) {
+          scores_tile_bf16<G>(s, k, bv, q.bf16 + h * s.head_dim, q.scale,
+                              scores + h * s.part_tokens);
+        } else {
+          scores_tile_bf16<G / 2>(s, k, bv, q.bf16 + h * s.head_dim, q.scale,
+                                  scores + h * s.part_tokens);
+          scores_tile_bf16<G - G / 2>(s, k, bv, q.bf16 + (h + G / 2) * s.head_dim, q.scale,
+                                      scores + (h + G / 2) * s.part_tokens);
+        }
         return;
       }
     }

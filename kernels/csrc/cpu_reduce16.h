@@ -1,7 +1,7 @@
-// The horizontal sums of 16 AVX-512 vectors at once, shared by the CPU kernels that
-// accumulate lane partial sums per output (cpu_decode_blocks.h: scores; cpu_gemv.cpp:
-// linear outputs), defined only where the compiler targets AVX-512F; and of 4 AVX2
-// vectors (cpu_decode_blocks.h's AVX2 scores), where it targets AVX2.
+// The horizontal sums of 16 (or 8) AVX-512 vectors at once, shared by the CPU kernels
+// that accumulate lane partial sums per output (cpu_decode_blocks.h: scores, 8 at a
+// time; cpu_gemv.cpp: linear outputs), defined only where the compiler targets AVX-512F;
+// and of 4 AVX2 vectors (cpu_decode_blocks.h's AVX2 scores), where it targets AVX2.
 #pragma once
 
 #ifdef __AVX512F__
@@ -26,6 +26,24 @@ __attribute__((always_inline)) inline __m512 reduce16(const __m512* v) {
                          _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
   return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88),
                        _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+}
+
+// The sums of v[0..7] in lanes 0..7: reduce16's tree on 8 vectors (each sum adds its
+// lanes in the same order as reduce16 would, so the same bits).
+__attribute__((always_inline)) inline __m256 reduce8(const __m512* v) {
+  __m512 a[4], b[2];
+  for (int i = 0; i < 4; ++i)
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 2; ++i) {
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  const __m512 c = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88),
+                                 _mm512_shuffle_f32x4(b[0], b[1], 0xDD));
+  return _mm512_castps512_ps256(_mm512_add_ps(_mm512_shuffle_f32x4(c, c, 0x88),
+                                              _mm512_shuffle_f32x4(c, c, 0xDD)));
 }
 
 }  // namespace pagoda_cpu_simd
