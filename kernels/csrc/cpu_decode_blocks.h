@@ -160,6 +160,18 @@ using pagoda_cpu_simd::reduce8;  // cpu_reduce16.h
 constexpr int kScoreHeads = 3;
 constexpr int kScoreTokens = 8;
 
+// Calls score(std::integral_constant<int, g>{}, first) for the score tiles of a query tile
+// of G heads: itself, or (G > kScoreHeads) its two halves, `first` the half's first head.
+template <int G, typename Fn>
+inline void for_each_score_tile(Fn&& score) {
+  if constexpr (G <= kScoreHeads) {
+    score(std::integral_constant<int, G>{}, 0);
+  } else {
+    score(std::integral_constant<int, G / 2>{}, 0);
+    score(std::integral_constant<int, G - G / 2>{}, G / 2);
+  }
+}
+
 // scores[i, pos + t] = q[i] . k[t] for the GT query rows of a tile (q: [GT, D]; scores:
 // rows part_tokens apart) and the block's tokens (k: the tile's kv head in the block), 8
 // tokens at a time: per 64-wide slice of head_dim each token's K slice is loaded once
@@ -336,28 +348,20 @@ void block_scores(const Shape& s, const T* rows, BlockView bv, const Query& q, f
     // model) keeps its precision and takes the widening tile
     if constexpr (std::is_same_v<T, uint16_t>) {
       if (q.bf16 != nullptr) {
-        const uint16_t* k = rows + kvh * s.head_dim;
-        if constexpr (G <= kScoreHeads) {
-          scores_tile_bf16<G>(s, k, bv, q.bf16 + h * s.head_dim, q.scale,
-                              scores + h * s.part_tokens);
-        } else {
-          scores_tile_bf16<G / 2>(s, k, bv, q.bf16 + h * s.head_dim, q.scale,
-                                  scores + h * s.part_tokens);
-          scores_tile_bf16<G - G / 2>(s, k, bv, q.bf16 + (h + G / 2) * s.head_dim, q.scale,
-                                      scores + (h + G / 2) * s.part_tokens);
-        }
+        for_each_score_tile<G>([&](auto g, int64_t first) {
+          scores_tile_bf16<decltype(g)::value>(s, rows + kvh * s.head_dim, bv,
+                                               q.bf16 + (h + first) * s.head_dim, q.scale,
+                                               scores + (h + first) * s.part_tokens);
+        });
         return;
       }
     }
 #endif
-    const T* k = rows + kvh * s.head_dim;
-    if constexpr (G <= kScoreHeads) {
-      scores_tile<G>(s, k, bv, q.scaled + h * s.head_dim, scores + h * s.part_tokens);
-    } else {
-      scores_tile<G / 2>(s, k, bv, q.scaled + h * s.head_dim, scores + h * s.part_tokens);
-      scores_tile<G - G / 2>(s, k, bv, q.scaled + (h + G / 2) * s.head_dim,
-                             scores + (h + G / 2) * s.part_tokens);
-    }
+    for_each_score_tile<G>([&](auto g, int64_t first) {
+      scores_tile<decltype(g)::value>(s, rows + kvh * s.head_dim, bv,
+                                      q.scaled + (h + first) * s.head_dim,
+                                      scores + (h + first) * s.part_tokens);
+    });
   });
 }
 
