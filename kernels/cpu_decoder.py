@@ -2,8 +2,10 @@
 
 ``decode_layers`` runs, per layer, the kernels the model's Python loop runs on the CPU
 (the ``cpu_fused`` norms, rotary and KV-cache write, called as their row kernels in
-``csrc/cpu_rows.h``; the ``cpu_gemm`` linears, the ``cpu_decode`` and ``cpu_prefill``
-attention, called as ops; ``csrc/cpu_decoder.cpp``) in the same order, so its result is
+``csrc/cpu_rows.h``; the ``cpu_gemm`` linears, or oneDNN's with ``cpu_gemv`` and
+``cpu_fused.silu_mul`` where the weights were packed for oneDNN, and the ``cpu_decode``
+and ``cpu_prefill`` attention, called as ops; ``csrc/cpu_decoder.cpp``) in the same
+order, so its result is
 bit-identical; it leaves out the Python between them, and the norms' and rotary's op
 dispatch and allocations. It covers the plain layer (pre-norms, optional per-head q/k norms, full
 rotary, SwiGLU, no window or soft cap); the caller
@@ -15,11 +17,11 @@ calls built.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from kernels import cpu_decode, cpu_gemm, cpu_prefill
+from kernels import cpu_decode, cpu_fused, cpu_gemm, cpu_gemv, cpu_prefill
 from kernels.cpu_extension import CSRC, SCALAR_HEADER, LazyExtension, build_extension
 
 _SOURCE = CSRC / "cpu_decoder.cpp"
@@ -60,6 +62,11 @@ class LayerWeights:
     gate_up_bias: list[torch.Tensor | None]
     down: list[torch.Tensor]
     down_bias: list[torch.Tensor | None]
+    # weights packed by oneDNN (``torch.ops.mkldnn._reorder_linear_weight``; gate_up plain,
+    # not gated) instead: every layer's plain qkv, o, gate_up and down, 4 a layer, for
+    # ``kernels.cpu_gemv`` at up to ``gemv_max_rows`` rows (0: never); empty for cpu_gemm
+    onednn_plain: list[torch.Tensor] = field(default_factory=list)
+    gemv_max_rows: int = 0
 
 
 @dataclass(frozen=True)
@@ -115,5 +122,6 @@ def decode_layers(
         cos_cache, sin_cache, slot_mapping, block_tables, seq_lens,
         seq_lens.shape[0] if num_decodes is None else num_decodes, prefill_first,
         prefill_starts, dims.as_list(), eps, scale, cpu_gemm.OP_NAMESPACE,
-        cpu_decode.OP_NAMESPACE, cpu_prefill.OP_NAMESPACE, output_rows)
+        cpu_decode.OP_NAMESPACE, cpu_prefill.OP_NAMESPACE, output_rows, w.onednn_plain,
+        w.gemv_max_rows, cpu_gemv.OP_NAMESPACE, cpu_fused.OP_NAMESPACE)
     return out

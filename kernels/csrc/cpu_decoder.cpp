@@ -3,9 +3,10 @@
 // (services/worker/models/llama.py with the CPU attention backend), so a step pays no
 // Python per layer (at batch 1 about a fifth of a SmolLM2 step).
 //
-// The linears (cpu_gemm) and the attention (cpu_decode, cpu_prefill) are called through
-// the dispatcher, by the namespaces the caller names (and has loaded); they check their
-// own inputs. The norms, the rotary and the KV-cache writes are the row kernels the
+// The linears (cpu_gemm; or oneDNN's, with cpu_gemv and cpu_fused's silu_mul, where the
+// weights were packed for oneDNN) and the attention (cpu_decode, cpu_prefill) are called
+// through the dispatcher, by the namespaces the caller names (and has loaded); they check
+// their own inputs. The norms, the rotary and the KV-cache writes are the row kernels the
 // cpu_fused ops wrap (cpu_rows.h), called here directly on buffers allocated once a
 // step, their inputs checked once a step: per layer, the dispatch, allocation and views
 // of those five op calls cost ~15 us, ~0.5 ms of a ~10 ms batch-1 step. A bad argument
@@ -15,6 +16,7 @@
 // the row kernels round alike) and registered as torch.ops.<PAGODA_OP_NS>.decode_layers.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -68,6 +70,46 @@ struct Ops {
         linear_silu(Typed<decltype(linear_silu)>::find(gemm, "linear_silu")),
         decode(Typed<decltype(decode)>::find(attn, "decode")),
         prefill(Typed<decltype(prefill)>::find(prefill_ns, "prefill")) {}
+};
+
+// The linears of a model whose weights oneDNN packed (services/worker/layers/linear.py:
+// bf16 on an AMX CPU, or where cpu_gemm has no vector path), as linear.py's linear() runs
+// them: mkldnn::_linear_pointwise on the packed weight; at up to gemv_max_rows rows (0:
+// never) cpu_gemv's linear_bf16 on the plain one; the SwiGLU as that linear of gate_up,
+// then cpu_fused's silu_mul.
+class OneDnnLinears {
+ public:
+  OneDnnLinears(at::TensorList plain, int64_t gemv_max_rows, const std::string& gemv_ns,
+                const std::string& fused_ns)
+      : plain_(plain), gemv_max_rows_(gemv_max_rows),
+        pointwise_(c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise",
+                                                                  "")),
+        silu_mul_(Typed<decltype(silu_mul_)>::find(fused_ns, "silu_mul")) {
+    if (gemv_max_rows_ > 0) gemv_ = Typed<Gemv>::find(gemv_ns, "linear_bf16");
+  }
+
+  // x W^T + bias of weight `which` (0 qkv, 1 o, 2 gate_up, 3 down) of layer l
+  Tensor linear(const Tensor& x, const Tensor& packed, int64_t l, int which,
+                const std::optional<Tensor>& bias) const {
+    if (gemv_ && x.size(0) <= gemv_max_rows_)
+      return gemv_->call(x, plain_[4 * l + which], bias);
+    torch::jit::Stack stack{x, packed, bias, c10::IValue(std::string("none")),
+                            c10::IValue(c10::List<std::optional<at::Scalar>>()),
+                            c10::IValue()};
+    pointwise_.callBoxed(&stack);
+    return stack[0].toTensor();
+  }
+
+  Tensor silu_mul(const Tensor& gate_up) const { return silu_mul_.call(gate_up); }
+
+ private:
+  using Gemv = c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&,
+                                               const std::optional<Tensor>&)>;
+  at::TensorList plain_;  // 4 a layer: qkv, o, gate_up, down
+  int64_t gemv_max_rows_;
+  c10::OperatorHandle pointwise_;
+  c10::TypedOperatorHandle<Tensor(const Tensor&)> silu_mul_;
+  std::optional<Gemv> gemv_;
 };
 
 // The model's shapes: heads and head_dim of the attention, and the output width of each
@@ -242,7 +284,8 @@ std::tuple<Tensor, Tensor> decode_layers(
     int64_t num_decodes, int64_t prefill_first, const std::optional<Tensor>& prefill_starts,
     at::IntArrayRef dims_in, double eps_in, double scale, const std::string& gemm_ns,
     const std::string& decode_ns, const std::string& prefill_ns,
-    const std::optional<Tensor>& output_rows_in) {
+    const std::optional<Tensor>& output_rows_in, at::TensorList onednn_plain,
+    int64_t gemv_max_rows, const std::string& gemv_ns, const std::string& fused_ns) {
   const int64_t L = static_cast<int64_t>(qkv.size());
   for (const size_t n : {input_norm.size(), post_norm.size(), qkv_bias.size(), q_norm.size(),
                          k_norm.size(), o.size(),
@@ -273,6 +316,25 @@ std::tuple<Tensor, Tensor> decode_layers(
                                   k_caches, v_caches, cos_cache, sin_cache, slot_mapping, d);
   const std::optional<Tensor> output_rows = checked_output_rows(output_rows_in, T);
   const Ops ops(gemm_ns, decode_ns, prefill_ns);
+  // oneDNN-packed linears: the plain weights come along, 4 a layer (cpu_gemm's: none)
+  std::optional<OneDnnLinears> onednn;
+  if (!onednn_plain.empty()) {
+    TORCH_CHECK_VALUE(static_cast<int64_t>(onednn_plain.size()) == 4 * L,
+                      "onednn_plain must hold 4 weights a layer (qkv, o, gate_up, down), got ",
+                      onednn_plain.size(), " for ", L, " layers");
+    onednn.emplace(onednn_plain, gemv_max_rows, gemv_ns, fused_ns);
+  }
+  // x W^T + bias of the layer's weight `which` (0 qkv, 1 o, 3 down), packed as `packed`
+  const auto linear = [&](const Tensor& x, const Tensor& packed, int64_t n, int64_t l,
+                          int which, const std::optional<Tensor>& bias) {
+    return onednn ? onednn->linear(x, packed, l, which, bias) : ops.linear.call(x, packed, n, bias);
+  };
+  // the SwiGLU's silu(gate) * up
+  const auto swiglu = [&](const Tensor& x, const Tensor& packed, int64_t n, int64_t l,
+                          const std::optional<Tensor>& bias) {
+    return onednn ? onednn->silu_mul(onednn->linear(x, packed, l, 2, bias))
+                  : ops.linear_silu.call(x, packed, n, bias);
+  };
   const float eps = static_cast<float>(eps_in);
   // per layer, as the Python loop: a layer's q / k norms are its own
   const bool qk_norms = std::any_of(in.q_norm.begin(), in.q_norm.end(),
@@ -305,7 +367,7 @@ std::tuple<Tensor, Tensor> decode_layers(
       pagoda_cpu_rows::rms_norm_rows<E>(mut<E>(normed), res, cptr<E>(hidden), RowLayout{1, H},
                                      l == 0 ? nullptr : stream, cptr<E>(in.input_norm[l]), T, H,
                                      eps);
-      const Tensor qkv_out = ops.linear.call(normed, qkv[l], d.qkv_n, qkv_bias.get(l));
+      const Tensor qkv_out = linear(normed, qkv[l], d.qkv_n, l, 0, qkv_bias.get(l));
       const E* q = cptr<E>(qkv_out);
       const E* k = q + q_size;
       const E* v = k + kv_size;
@@ -350,14 +412,13 @@ std::tuple<Tensor, Tensor> decode_layers(
         kept_residual = at::empty({rows, H}, opts);
         o_res = mut<E>(kept_residual);
       }
-      const Tensor o_out = ops.linear.call(o_in, o[l], d.o_n, o_bias.get(l));
+      const Tensor o_out = linear(o_in, o[l], d.o_n, l, 1, o_bias.get(l));
       pagoda_cpu_rows::rms_norm_rows<E>(mut<E>(o_normed), o_res, cptr<E>(o_out),
                                      RowLayout{1, H}, stream, cptr<E>(in.post_norm[l]), rows,
                                      H, eps);
       stream = res;
-      const Tensor act =
-          ops.linear_silu.call(o_normed, gate_up[l], d.act_n, gate_up_bias.get(l));
-      hidden = ops.linear.call(act, down[l], d.down_n, down_bias.get(l));
+      const Tensor act = swiglu(o_normed, gate_up[l], d.act_n, l, gate_up_bias.get(l));
+      hidden = linear(act, down[l], d.down_n, l, 3, down_bias.get(l));
     }
     return hidden;
   };
@@ -381,7 +442,8 @@ PAGODA_LIBRARY(PAGODA_OP_NS, m) {
         "Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor cos_cache, Tensor sin_cache, "
         "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, int num_decodes, "
         "int prefill_first, Tensor? prefill_starts, int[] dims, float eps, float scale, "
-        "str gemm_ns, str decode_ns, str prefill_ns, Tensor? output_rows=None) "
+        "str gemm_ns, str decode_ns, str prefill_ns, Tensor? output_rows, "
+        "Tensor[] onednn_plain, int gemv_max_rows, str gemv_ns, str fused_ns) "
         "-> (Tensor, Tensor)",
         &decode_layers);
 }

@@ -20,7 +20,7 @@ import torch
 from kernels import cpu_decoder
 from kernels.cpu_decoder import LayerDims
 from services.worker.attention import get_attention_backend
-from services.worker.layers.linear import pack_cpu_linears
+from services.worker.layers.linear import pack_cpu_linears, pack_weight
 from services.worker.loader import load_model
 from services.worker.model_runner import ModelRunner
 from services.worker.models.llama import LlamaForCausalLM
@@ -31,10 +31,16 @@ pytestmark = pytest.mark.skipif(not cpu_decoder.available(),
                                 reason="the C++ CPU extensions do not build here")
 
 
-def packed_model(model_dir: Path, dtype: torch.dtype) -> LlamaForCausalLM:
+def packed_model(model_dir: Path, dtype: torch.dtype, kernel: str = "auto") -> LlamaForCausalLM:
     model = load_model(model_dir, dtype)
-    pack_cpu_linears(model)
+    pack_cpu_linears(model, kernel)
     return model
+
+
+# the kernels the linears are packed for: the machine's choice (cpu_gemm where it has the
+# vector path), and oneDNN (bf16 on an AMX CPU; cpu_gemv then takes bf16 steps of up to
+# GEMV_MAX_ROWS rows, as layers/linear.py's linear() does)
+KERNELS = pytest.mark.parametrize("kernel", ["auto", "onednn"])
 
 
 def runner_for(model: LlamaForCausalLM, dtype: torch.dtype) -> ModelRunner:
@@ -60,17 +66,21 @@ def count_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
                                             (torch.float32, torch.bfloat16)],
                          ids=["fp32", "bf16", "fp32-bf16kv"])
 @pytest.mark.parametrize("model_fixture", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir"])
+@KERNELS
 def test_steps_bit_identical_to_the_python_loop(
-    model_fixture: str, dtype: torch.dtype, kv_dtype: torch.dtype,
+    model_fixture: str, kernel: str, dtype: torch.dtype, kv_dtype: torch.dtype,
     request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # qwen2: qkv biases, a tied head; qwen3: per-head q/k norms, head_dim 32 (not hidden /
     # heads)
     model_dir = request.getfixturevalue(model_fixture)
-    fast_model = packed_model(model_dir, dtype)
+    fast_model = packed_model(model_dir, dtype, kernel)
     if not fast_model.enable_cpu_decoder():
-        pytest.skip("the linears are not packed for cpu_gemm on this CPU (oneDNN: AMX bf16)")
-    loop_model = packed_model(model_dir, dtype)
+        pytest.skip(f"no {kernel} packing of these linears on this CPU")
+    assert fast_model.cpu_decoder_path is not None
+    assert bool(fast_model.cpu_decoder_path.weights.onednn_plain) == (
+        not fast_model.layers[0].self_attn.qkv_weight_packed.gemm)
+    loop_model = packed_model(model_dir, dtype, kernel)
     assert loop_model.cpu_decoder_path is None
     drivers = [PagedDriver(runner_for(m, kv_dtype), seed=5) for m in (loop_model, fast_model)]
     gen = torch.Generator().manual_seed(3)
@@ -100,16 +110,17 @@ def test_steps_bit_identical_to_the_python_loop(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("one_call", [True, False], ids=["one-call", "python-loop"])
 @pytest.mark.parametrize("model_fixture", ["tiny_llama_dir", "tiny_qwen3_dir"])
+@KERNELS
 def test_output_rows_are_those_rows_of_the_whole_forward(
-    model_fixture: str, one_call: bool, dtype: torch.dtype, request: pytest.FixtureRequest,
-    monkeypatch: pytest.MonkeyPatch,
+    model_fixture: str, kernel: str, one_call: bool, dtype: torch.dtype,
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # The runner asks the model for the sampled rows only (a prefill's other tokens skip
     # the last layer's MLP). Oracle: the whole forward of the same step (its K/V writes
     # are the same values to the same slots), those rows taken after it.
-    model = packed_model(request.getfixturevalue(model_fixture), dtype)
+    model = packed_model(request.getfixturevalue(model_fixture), dtype, kernel)
     if not model.enable_cpu_decoder():
-        pytest.skip("the linears are not packed for cpu_gemm on this CPU (oneDNN: AMX bf16)")
+        pytest.skip(f"no {kernel} packing of these linears on this CPU")
     if not one_call:
         model.cpu_decoder_path = None
     runner = runner_for(model, dtype)
@@ -147,6 +158,18 @@ def test_models_and_settings_it_does_not_cover(tmp_path: Path, tiny_llama_dir: P
     unfused = packed_model(tiny_llama_dir, torch.float32)
     unfused.layers[1].post_attention_layernorm.fused = False
     assert not unfused.enable_cpu_decoder()
+    # linears on two kernels (one layer's o packed for oneDNN, the rest for cpu_gemm); a
+    # oneDNN SwiGLU whose silu_mul is not cpu_fused's
+    mixed = packed_model(tiny_llama_dir, torch.float32)
+    if mixed.layers[0].self_attn.qkv_weight_packed.gemm:
+        attn = mixed.layers[1].self_attn
+        attn.o_weight_packed = pack_weight(attn.o_weight, "onednn")
+        assert attn.o_weight_packed is not None and not attn.o_weight_packed.gemm
+        assert not mixed.enable_cpu_decoder()
+    onednn = packed_model(tiny_llama_dir, torch.bfloat16, "onednn")
+    if onednn.enable_cpu_decoder():
+        onednn.layers[0].mlp.fused = False
+        assert not onednn.enable_cpu_decoder()
     plain = packed_model(tiny_llama_dir, torch.float32)
     if plain.enable_cpu_decoder():
         path = plain.cpu_decoder_path

@@ -6,9 +6,11 @@ kernels in the same order from C++, bit-identical to the Python loop. ``CpuDecod
 gathers once what it needs from a model whose every layer it covers:
 
 - the CPU kernels of the Python path: ``cpu_fused`` norms (no unit offset), the C++
-  rotary (whole heads, fp32 tables) and KV-cache write, ``cpu_gemm`` packed linears
-  (qkv, o, down) and the SwiGLU ``linear_silu`` (gate_up packed gated), so not bf16 on
-  an AMX CPU (oneDNN there) nor GeGLU;
+  rotary (whole heads, fp32 tables) and KV-cache write, and every layer's linears on one
+  kernel: ``cpu_gemm`` packed linears (qkv, o, down) and the SwiGLU ``linear_silu``
+  (gate_up packed gated); or, where ``layers/linear.py`` packs for oneDNN (bf16 on an AMX
+  CPU), oneDNN's linears, ``cpu_gemv`` at up to ``GEMV_MAX_ROWS`` bf16 rows and
+  ``cpu_fused.silu_mul`` after gate_up, as ``linear()`` and the MLP run them; no GeGLU;
 - plain pre-norm layers (no sandwich norms; Qwen3's per-head q/k norms, with the layer
   norms' eps), one rotary for all layers, full attention without soft cap, one rank.
 
@@ -25,19 +27,23 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kernels import cpu_decoder, cpu_fused
+from kernels import cpu_decoder, cpu_fused, cpu_gemv
 from kernels.cpu_decoder import LayerDims, LayerWeights
 from services.worker.attention.base import AttentionBackend, AttentionMetadata
-from services.worker.layers.linear import PackedWeight
+from services.worker.layers.linear import GEMV_MAX_ROWS, PackedWeight
 from services.worker.layers.norm import RMSNorm
 from services.worker.layers.rotary import RotaryEmbedding
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # as models/llama.py's (which imports this)
+# LayerWeights' lists of one entry a layer
+_PER_LAYER = ("input_norm", "post_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias",
+              "gate_up", "gate_up_bias", "down", "down_bias")
 
 
-def _gemm(packed: PackedWeight | None, silu_gated: bool) -> PackedWeight | None:
-    """The packed weight if cpu_gemm runs it (gated as asked), else None."""
-    if packed is None or not packed.gemm or packed.silu_gated != silu_gated:
+def _packed(packed: PackedWeight | None, gemm: bool, silu_gated: bool) -> PackedWeight | None:
+    """The packed weight if its kernel is the one asked (cpu_gemm, gated as asked; or
+    oneDNN), else None."""
+    if packed is None or packed.gemm != gemm or packed.silu_gated != (gemm and silu_gated):
         return None
     return packed
 
@@ -66,13 +72,18 @@ class CpuDecoderPath:
                 or rotary.rotary_dim != rotary.head_dim
                 or rotary.cos_cache.dtype != torch.float32 or not cpu_decoder.available()):
             return None
-        lists: dict[str, list] = {name: [] for name in LayerWeights.__dataclass_fields__}
+        lists: dict[str, list] = {name: [] for name in _PER_LAYER}
+        plain: list[torch.Tensor] = []
         shapes, eps, scales = set(), set(), set()
+        # every layer's linears on one kernel: cpu_gemm, or oneDNN (bf16 on an AMX CPU)
+        first = model.layers[0].self_attn.qkv_weight_packed if len(model.layers) else None
+        gemm = first is None or first.gemm
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            qkv, o = _gemm(attn.qkv_weight_packed, False), _gemm(attn.o_weight_packed, False)
-            gate_up = _gemm(mlp.gate_up_weight_packed, True)
-            down = _gemm(mlp.down_weight_packed, False)
+            qkv = _packed(attn.qkv_weight_packed, gemm, False)
+            o = _packed(attn.o_weight_packed, gemm, False)
+            gate_up = _packed(mlp.gate_up_weight_packed, gemm, True)
+            down = _packed(mlp.down_weight_packed, gemm, False)
             qk_norms = (attn.q_norm, attn.k_norm)
             if (qkv is None or o is None or gate_up is None or down is None
                     or layer.sandwich_norms
@@ -80,6 +91,7 @@ class CpuDecoderPath:
                     or any(n is not None and not _plain_norm(n, dtype) for n in qk_norms)
                     or attn.window is not None or attn.softcap is not None
                     or attn.rotary is not rotary or mlp.gelu
+                    or (not gemm and not (mlp.fused and cpu_fused.available()))
                     or not _plain_norm(layer.input_layernorm, dtype)
                     or not _plain_norm(layer.post_attention_layernorm, dtype)):
                 return None
@@ -100,10 +112,16 @@ class CpuDecoderPath:
                 ("down_bias", mlp.down_bias),
             ):
                 lists[name].append(value)
+            if not gemm:  # cpu_gemv runs a few rows on the plain weights (layers/linear.py)
+                plain += [attn.qkv_weight, attn.o_weight, mlp.gate_up_weight, mlp.down_weight]
         if len(shapes) != 1 or len(eps) != 1 or len(scales) != 1:
             return None
-        return cls(LayerWeights(**lists), LayerDims(*shapes.pop()), eps.pop(), scales.pop(),
-                   rotary, dtype)
+        if not gemm and not all(w.is_contiguous() for w in plain):
+            return None
+        gemv_rows = (GEMV_MAX_ROWS if not gemm and dtype == torch.bfloat16
+                     and cpu_gemv.available() else 0)
+        weights = LayerWeights(**lists, onednn_plain=plain, gemv_max_rows=gemv_rows)
+        return cls(weights, LayerDims(*shapes.pop()), eps.pop(), scales.pop(), rotary, dtype)
 
     def takes(self, meta: AttentionMetadata, backend: AttentionBackend,
               kv_caches: list[KVCache], rope_plan: object) -> bool:
