@@ -35,9 +35,6 @@ from services.worker.layers.norm import RMSNorm
 from services.worker.layers.rotary import RotaryEmbedding
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # as models/llama.py's (which imports this)
-# LayerWeights' lists of one entry a layer
-_PER_LAYER = ("input_norm", "post_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias",
-              "gate_up", "gate_up_bias", "down", "down_bias")
 
 
 def _packed(packed: PackedWeight | None, gemm: bool, silu_gated: bool) -> PackedWeight | None:
@@ -72,7 +69,7 @@ class CpuDecoderPath:
                 or rotary.rotary_dim != rotary.head_dim
                 or rotary.cos_cache.dtype != torch.float32 or not cpu_decoder.available()):
             return None
-        lists: dict[str, list] = {name: [] for name in _PER_LAYER}
+        lists: dict[str, list] = {}  # LayerWeights' per-layer lists, as the loop names them
         plain: list[torch.Tensor] = []
         shapes, eps, scales = set(), set(), set()
         # every layer's linears on one kernel: cpu_gemm, or oneDNN (bf16 on an AMX CPU)
@@ -111,7 +108,7 @@ class CpuDecoderPath:
                 ("gate_up_bias", mlp.gate_up_bias), ("down", down.data),
                 ("down_bias", mlp.down_bias),
             ):
-                lists[name].append(value)
+                lists.setdefault(name, []).append(value)
             if not gemm:  # cpu_gemv runs a few rows on the plain weights (layers/linear.py)
                 plain += [attn.qkv_weight, attn.o_weight, mlp.gate_up_weight, mlp.down_weight]
         if len(shapes) != 1 or len(eps) != 1 or len(scales) != 1:
